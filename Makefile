@@ -1,0 +1,42 @@
+# The torch pin lives here only: it installs the CPU wheel that lies on the build machines' disk before the project,
+# so that pyproject's torch>= range is already met and pip never pulls a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup test lint typecheck unit demo bench dashboards alerts gpu-check clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+lint: setup
+	$(VENV)/bin/ruff check sdc_telemetry tests benchmarks
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+test: lint typecheck
+	$(PY) -m pytest tests
+
+demo: setup
+	$(VENV)/bin/sdc-telemetry demo
+
+bench: setup
+	$(PY) benchmarks/fingerprint.py
+	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/campaign.py
+
+dashboards: setup
+	$(VENV)/bin/sdc-telemetry dashboards
+
+alerts: setup
+	$(VENV)/bin/sdc-telemetry alerts
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

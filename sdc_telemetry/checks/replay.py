@@ -1,0 +1,453 @@
+"""``replay``: recompute a partner rank's micro-batches and compare loss and local-gradient fingerprints.
+
+Before the optimizer step every replica holds the same weights, so rank j recomputing rank i's micro-batches with
+rank i's RNG states must reproduce rank i's losses and pre-all-reduce gradients: bit for bit in exact mode, within
+``tolerance`` otherwise. Only recomputation catches finite-but-wrong arithmetic, since the all-reduce averages it
+into identical (wrong) weights everywhere.
+
+Protocol per audit step (all ranks, same collectives):
+1. cross round: replayer p audits origin (p + s) mod W; the shift s rotates between audits and prefers partners on
+   another host. Micro-batches, RNG states, losses and the per-parameter gradient-norm sketch travel point-to-point.
+2. only after a mismatch: every rank reruns its own micro-batches (is the origin reproducible?) and, with 3 or more
+   ranks, a referee round with another shift audits every origin again.
+``attribute`` turns the gathered outcomes into one verdict (pure, unit-tested).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import struct
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._collective import collective_device, gather_rows
+from ..fingerprint import fingerprint
+from ..identity import RankIdentity
+from . import Finding
+
+__all__ = ["ReplayCheck", "Measurement", "Outcome", "attribute", "pick_shifts", "scaled", "check_shippable"]
+
+_PLAIN = (int, float, bool, str, bytes, complex, type(None))
+_CALIBRATE_EVERY = 10  # audits between noise-floor recalibrations in tolerance="auto"
+_AUTO_FLOOR = 1e-5     # relative tolerance when reruns are bitwise identical
+_AUTO_FACTOR = 10.0    # threshold = factor x the largest same-rank rerun delta seen
+
+
+def scaled(loss: torch.Tensor, scale: float) -> torch.Tensor:
+    """The tensor backpropagated for ``loss``; the step and the replay must build it identically."""
+    return loss if scale == 1.0 else loss * scale
+
+
+def check_shippable(batch: Any, path: str = "batch") -> None:
+    """Raise ``TypeError`` naming the first leaf that cannot travel to a replaying rank."""
+    if isinstance(batch, torch.Tensor):
+        if batch.layout != torch.strided:
+            raise TypeError(f"replay cannot ship {path}: a {batch.layout} tensor; use dense tensors")
+        return
+    if type(batch) in (list, tuple):
+        for i, item in enumerate(batch):
+            check_shippable(item, f"{path}[{i}]")
+        return
+    if type(batch) is dict:
+        for k, v in batch.items():
+            if not isinstance(k, (str, int)):
+                raise TypeError(f"replay cannot ship {path}: dict key {k!r} of type {type(k).__name__} "
+                                "(keys must be str or int)")
+            check_shippable(v, f"{path}[{k!r}]")
+        return
+    if type(batch) in _PLAIN:
+        return
+    raise TypeError(f"replay cannot ship {path}: leaf of type {type(batch).__module__}.{type(batch).__qualname__}. "
+                    "Batches must nest tensors, lists, tuples and dicts of plain values (int, float, bool, str, "
+                    "bytes, None); convert it in the loop, or set replay_every=0")
+
+
+@dataclass
+class _MicroBatch:
+    batch: Any
+    cpu_rng: torch.Tensor
+    dev_rng: torch.Tensor | None
+    autocast: tuple[bool, torch.dtype] | None
+    scale: float = 1.0
+    loss: torch.Tensor | None = None
+
+
+@dataclass
+class _Result:
+    """What recomputing some micro-batches gave: per-micro-batch losses, total gradient fingerprint, norm sketch."""
+
+    losses: list[float]
+    fp: int
+    norms: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """This rank's comparison against one origin rank (exported per ``origin_rank``)."""
+
+    origin_rank: int
+    loss_delta: float
+    grad_delta: float
+    mismatch: bool
+
+
+@dataclass
+class Outcome:
+    """Gathered outcomes of one audit, by group position: the plain input of ``attribute``."""
+
+    world: int
+    edges: list[tuple[int, int]] = field(default_factory=list)  # (replayer, origin) pairs that mismatched
+    reproduced: dict[int, bool] = field(default_factory=dict)   # origin position -> reran its own batch identically
+
+
+def pick_shifts(hosts: Sequence[str]) -> list[int]:
+    """Shifts s (replayer p audits p + s) in rotation order: those pairing every rank with another host first."""
+    world = len(hosts)
+
+    def crossing(s: int) -> int:
+        return sum(hosts[p] != hosts[(p + s) % world] for p in range(world))
+
+    shifts = list(range(1, world))
+    best = max((crossing(s) for s in shifts), default=0)
+    preferred = [s for s in shifts if crossing(s) == best]
+    return preferred if best > 0 else shifts
+
+
+def attribute(outcome: Outcome) -> tuple[tuple[int, ...], dict[str, Any]]:
+    """Suspect positions and the reasoning, from mismatching pairs and same-rank reruns.
+
+    - A rank that cannot reproduce its own recorded result is the suspect (a transient fault).
+    - Otherwise (persistent): the rank common to every mismatching pair; with 2 replicas, or when no single rank
+      explains every pair, the incident is ambiguous and names the candidates.
+    """
+    not_reproduced = sorted(p for p, ok in outcome.reproduced.items() if not ok)
+    if not_reproduced:
+        return tuple(not_reproduced), {"fault": "transient", "ambiguous": False,
+                                       "reason": "could not reproduce its own recorded result"}
+    if not outcome.edges:
+        return (), {}
+    common = set(outcome.edges[0])
+    for e in outcome.edges[1:]:
+        common &= set(e)
+    if len(common) == 1:
+        return (common.pop(),), {"fault": "persistent", "ambiguous": False,
+                                 "reason": "the only rank common to every mismatching pair"}
+    counts: dict[int, int] = {}
+    for e in outcome.edges:
+        for p in e:
+            counts[p] = counts.get(p, 0) + 1
+    top = max(counts.values())
+    names = tuple(sorted(p for p, c in counts.items() if c == top)) if not common else tuple(sorted(common))
+    reason = ("two replicas disagree and each reproduces itself: no referee" if outcome.world == 2
+              else "no single rank explains every mismatching pair")
+    return names, {"fault": "persistent", "ambiguous": True, "reason": reason}
+
+
+class ReplayCheck:
+    """Captures audited steps and runs the replay protocol. Collective: every rank calls ``run`` at the same step."""
+
+    def __init__(self, module: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None,
+                 named_params: Sequence[tuple[str, torch.nn.Parameter]], group: dist.ProcessGroup | None,
+                 ranks: Sequence[int], identities: dict[int, RankIdentity], device: torch.device, mode: str,
+                 tolerance: float | str, every: int) -> None:
+        if loss_fn is None:
+            raise ValueError("replay needs loss_fn(module, batch) -> scalar loss")
+        self._module = module
+        self._loss_fn = loss_fn
+        self._params = [p for _, p in named_params]
+        self._group = group
+        self._ranks = list(ranks)
+        self._pos = self._ranks.index(dist.get_rank())
+        self._device = device
+        self._wire = collective_device(group)
+        self.mode = mode
+        self._auto = tolerance == "auto"
+        self.tolerance = _AUTO_FLOOR if self._auto else float(tolerance)
+        self.noise_floor = 0.0
+        self._every = every
+        self._shifts = pick_shifts([identities[r].host_name if r in identities else str(r) for r in self._ranks])
+        self._audits = 0
+        self._capturing = False
+        self._micro: list[_MicroBatch] = []
+        self.errors: list[int] = []
+        self.error_text = ""
+
+    # -- capture (training thread, every step) -------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        return step % self._every == 0
+
+    def begin_step(self, step: int) -> None:
+        self._micro = []
+        self._capturing = self.due(step)
+
+    def drop(self) -> None:
+        self._micro = []
+        self._capturing = False
+
+    def capture(self, batch: Any) -> None:
+        check_shippable(batch)
+        if not self._capturing:
+            self._micro.append(_MicroBatch(None, torch.empty(0), None, None))  # counts micro-batches only
+            return
+        dev_rng = torch.cuda.get_rng_state(self._device) if self._device.type == "cuda" else None
+        self._micro.append(_MicroBatch(batch, torch.get_rng_state(), dev_rng, _autocast_state(self._device)))
+
+    def record_loss(self, loss: torch.Tensor, scale: float) -> None:
+        pending = [m for m in self._micro if m.loss is None]
+        if not pending:
+            raise ValueError("step.backward() without a registered micro-batch: the replay check needs the batch. "
+                             "Open the step with monitor.step(batch), or call step.micro_batch(batch) before each "
+                             "micro-batch's forward pass")
+        mb = pending[0]
+        mb.scale = float(scale)
+        mb.loss = loss.detach().clone() if self._capturing else torch.empty(0)
+        if self._capturing and mb.autocast is None:
+            mb.autocast = _autocast_state(self._device)
+
+    # -- the audit (pre optimizer step) --------------------------------------------------------------------------
+
+    def run(self, step: int, local_fps: Sequence[int], local_norms: torch.Tensor
+            ) -> tuple[Finding | None, list[Measurement]]:
+        """Audit this step. ``local_fps``: every position's recorded local-gradient fingerprint (gathered);
+        ``local_norms``: this rank's per-parameter local-gradient norms (the tolerance sketch)."""
+        self.errors, self.error_text = [], ""
+        micro = [m for m in self._micro if m.loss is not None and m.batch is not None]
+        self._micro, self._capturing = [], False
+        world = len(self._ranks)
+        shift = self._shifts[self._audits % len(self._shifts)]
+        calibrate = self._auto and self.mode == "tolerance" and self._audits % _CALIBRATE_EVERY == 0
+        self._audits += 1
+
+        mine = {"micro": micro, "fp": int(local_fps[self._pos]), "norms": local_norms.detach().float().cpu()}
+        outcome = Outcome(world)
+        edges, measured = self._cross_round(shift, mine, local_fps)
+        outcome.edges += edges
+        if calibrate:
+            self._calibrate(mine)
+        if self.errors:
+            return None, measured
+        if not edges:
+            return None, measured
+        # Rare path: a mismatch. Same-rank reruns, and with 3+ ranks a referee round with another shift.
+        outcome.reproduced = self._self_round(mine)
+        referee = next((s for s in range(1, world) if s != shift), None) if world >= 3 else None
+        if referee is not None:
+            more, _ = self._cross_round(referee, mine, local_fps)
+            outcome.edges += more
+        if self.errors:
+            return None, measured
+        suspects, why = attribute(outcome)
+        if not suspects:
+            return None, measured
+        evidence: dict[str, Any] = dict(why)
+        evidence.update({
+            "mode": self.mode,
+            "tolerance": self.tolerance if self.mode == "tolerance" else 0.0,
+            "mismatching_pairs": [{"replayer": self._ranks[a], "origin": self._ranks[b]} for a, b in outcome.edges],
+            "reproduced_own_result": {str(self._ranks[p]): ok for p, ok in outcome.reproduced.items()},
+            "recorded_grad_fingerprints": {str(self._ranks[p]): f"{local_fps[p] & (2**64 - 1):016x}"
+                                           for p in range(world)},
+            "deltas": self._last_deltas,
+            "verdict": "transient" if why.get("fault") == "transient" else "persistent",
+        })
+        return Finding("replay", tuple(self._ranks[p] for p in suspects), evidence), measured
+
+    def _cross_round(self, shift: int, mine: dict[str, Any], local_fps: Sequence[int]
+                     ) -> tuple[list[tuple[int, int]], list[Measurement]]:
+        world = len(self._ranks)
+        origin = (self._pos + shift) % world
+        replayer_of_mine = (self._pos - shift) % world
+        theirs = self._exchange(mine, send_to=replayer_of_mine, recv_from=origin)
+        row = self._compare(theirs, local_fps[origin] if theirs is not None else 0)
+        rows = gather_rows(row, self._group)
+        self._collect_errors(rows)
+        edges, measured = [], []
+        self._last_deltas = {}
+        for p, r in enumerate(rows):
+            o = (p + shift) % world
+            loss_d, grad_d = _float(r[1]), _float(r[2])
+            self._last_deltas[f"{self._ranks[p]}->{self._ranks[o]}"] = {"loss": _json(loss_d), "grad": _json(grad_d)}
+            if r[0] == 1:
+                edges.append((p, o))
+            if p == self._pos and r[3] == 0:
+                measured.append(Measurement(self._ranks[o], loss_d, grad_d, r[0] == 1))
+        return edges, measured
+
+    def _self_round(self, mine: dict[str, Any]) -> dict[int, bool]:
+        row = self._compare(mine, mine["fp"])
+        rows = gather_rows(row, self._group)
+        self._collect_errors(rows)
+        return {p: r[0] == 0 for p, r in enumerate(rows)}
+
+    def _calibrate(self, mine: dict[str, Any]) -> None:
+        """Same-rank rerun of this rank's own step: the noise floor of non-deterministic kernels."""
+        row = self._compare(mine, mine["fp"])
+        rows = gather_rows(row, self._group)
+        deltas = [max(_float(r[1]), _float(r[2])) for r in rows if r[3] == 0]
+        finite = [d for d in deltas if math.isfinite(d)]
+        if finite:
+            self.noise_floor = max(self.noise_floor, max(finite))
+            self.tolerance = min(max(_AUTO_FLOOR, _AUTO_FACTOR * self.noise_floor), 0.5)
+
+    def _compare(self, record: dict[str, Any] | None, recorded_fp: int) -> torch.Tensor:
+        """[mismatch, loss_delta_bits, grad_delta_bits, error] for recomputing ``record``."""
+        try:
+            if record is None:
+                raise RuntimeError("no replay record received from the origin rank")
+            micro: list[_MicroBatch] = record["micro"]
+            if not micro:
+                raise RuntimeError("the origin rank captured no micro-batch for this audit step")
+            result = self._recompute(micro)
+            recorded_losses = [float(m.loss.double().item()) for m in micro if m.loss is not None]
+            loss_delta = max(_rel(a, b) for a, b in zip(result.losses, recorded_losses, strict=True))
+            ref = record["norms"].double()
+            grad_delta = float(torch.linalg.vector_norm(result.norms.double().cpu() - ref)
+                               / max(float(torch.linalg.vector_norm(ref)), 1e-30))
+            if self.mode == "exact":
+                same_loss = all(_same_bits(a, b) for a, b in zip(result.losses, recorded_losses, strict=True))
+                mismatch = not (same_loss and result.fp == recorded_fp)
+            else:
+                mismatch = not (loss_delta <= self.tolerance and grad_delta <= self.tolerance)
+            return torch.tensor([int(mismatch), _bits(loss_delta), _bits(grad_delta), 0], dtype=torch.int64)
+        except Exception as e:  # noqa: BLE001 - reported to every rank through the gathered row
+            self.error_text = f"{type(e).__name__}: {e}"
+            return torch.tensor([0, _bits(math.nan), _bits(math.nan), 1], dtype=torch.int64)
+
+    def _collect_errors(self, rows: Sequence[Sequence[int]]) -> None:
+        self.errors += [self._ranks[p] for p, r in enumerate(rows) if r[3] and self._ranks[p] not in self.errors]
+
+    # -- recomputation -------------------------------------------------------------------------------------------
+
+    def _recompute(self, micro: Sequence[_MicroBatch]) -> _Result:
+        """Recompute losses and accumulated local gradients without touching .grad, buffers, RNG or DDP state."""
+        cpu_rng = torch.get_rng_state()
+        dev_rng = torch.cuda.get_rng_state(self._device) if self._device.type == "cuda" else None
+        buffers = [(b, b.detach().clone()) for b in self._module.buffers()]
+        try:
+            total: list[torch.Tensor | None] = [None] * len(self._params)
+            losses = []
+            for mb in micro:
+                torch.set_rng_state(mb.cpu_rng)
+                if mb.dev_rng is not None and self._device.type == "cuda":
+                    torch.cuda.set_rng_state(mb.dev_rng, self._device)
+                ctx = (torch.autocast(self._device.type, dtype=mb.autocast[1])
+                       if mb.autocast is not None and mb.autocast[0] else nullcontext())
+                with torch.enable_grad(), ctx:
+                    loss = self._loss_fn(self._module, mb.batch)
+                grads = torch.autograd.grad(scaled(loss, mb.scale), self._params, allow_unused=True)
+                for i, g in enumerate(grads):
+                    if g is not None:
+                        prev = total[i]
+                        total[i] = g if prev is None else prev + g
+                losses.append(float(loss.detach().double().item()))
+            present = [g for g in total if g is not None]
+            fp = int(fingerprint(present).sum().item()) if present else 0
+            norms = torch.zeros(len(self._params), dtype=torch.float32)
+            for i, g in enumerate(total):
+                if g is not None:
+                    norms[i] = torch.linalg.vector_norm(g).float().cpu()
+            return _Result(losses, _wrap64(fp), norms)
+        finally:
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+            torch.set_rng_state(cpu_rng)
+            if dev_rng is not None:
+                torch.cuda.set_rng_state(dev_rng, self._device)
+
+    # -- shipping ------------------------------------------------------------------------------------------------
+
+    def _exchange(self, mine: dict[str, Any], send_to: int, recv_from: int) -> dict[str, Any] | None:
+        """Send this rank's record to ``send_to`` and receive ``recv_from``'s (group positions), point-to-point."""
+        try:
+            payload = _pack(mine)
+        except Exception as e:  # noqa: BLE001 - send an empty payload so the peer does not wait forever
+            self.error_text = f"packing the replay record failed: {type(e).__name__}: {e}"
+            payload = torch.zeros(0, dtype=torch.uint8)
+        size_out = torch.tensor([payload.numel()], dtype=torch.int64, device=self._wire)
+        size_in = torch.zeros(1, dtype=torch.int64, device=self._wire)
+        self._p2p(size_out, size_in, send_to, recv_from)
+        data_in = torch.empty(int(size_in.item()), dtype=torch.uint8, device=self._wire)
+        self._p2p(payload.to(self._wire), data_in, send_to, recv_from)
+        if data_in.numel() == 0:
+            return None
+        try:
+            return _unpack(data_in, self._device)
+        except Exception as e:  # noqa: BLE001
+            self.error_text = f"unpacking the replay record failed: {type(e).__name__}: {e}"
+            return None
+
+    def _p2p(self, out: torch.Tensor, into: torch.Tensor, send_to: int, recv_from: int) -> None:
+        ops = [dist.P2POp(dist.isend, out, self._ranks[send_to], self._group),
+               dist.P2POp(dist.irecv, into, self._ranks[recv_from], self._group)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+
+
+def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype] | None:
+    kind = device.type
+    try:
+        if torch.is_autocast_enabled(kind):
+            return True, torch.get_autocast_dtype(kind)
+    except (RuntimeError, TypeError):
+        pass
+    return None
+
+
+def _pack(record: dict[str, Any]) -> torch.Tensor:
+    plain = {
+        "fp": record["fp"],
+        "norms": record["norms"],
+        "micro": [{"batch": m.batch, "cpu_rng": m.cpu_rng, "dev_rng": m.dev_rng, "scale": m.scale,
+                   "loss": m.loss, "autocast": None if m.autocast is None else
+                   (m.autocast[0], str(m.autocast[1]).removeprefix("torch."))} for m in record["micro"]],
+    }
+    buf = io.BytesIO()
+    torch.save(plain, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _unpack(data: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    raw = data.cpu().numpy().tobytes()
+    plain = torch.load(io.BytesIO(raw), map_location=device, weights_only=True)
+    micro = [_MicroBatch(batch=m["batch"], cpu_rng=m["cpu_rng"].cpu(), dev_rng=m["dev_rng"],
+                         autocast=None if m["autocast"] is None else (m["autocast"][0],
+                                                                      getattr(torch, m["autocast"][1])),
+                         scale=m["scale"], loss=m["loss"]) for m in plain["micro"]]
+    return {"fp": plain["fp"], "norms": plain["norms"].cpu(), "micro": micro}
+
+
+def _rel(a: float, b: float) -> float:
+    if a == b:
+        return 0.0
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def _same_bits(a: float, b: float) -> bool:
+    return struct.pack("<d", a) == struct.pack("<d", b)
+
+
+def _bits(x: float) -> int:
+    return int(struct.unpack("<q", struct.pack("<d", x))[0])
+
+
+def _float(bits: int) -> float:
+    return float(struct.unpack("<d", struct.pack("<q", bits))[0])
+
+
+def _json(x: float) -> float | str:
+    return x if math.isfinite(x) else str(x)
+
+
+def _wrap64(x: int) -> int:
+    x &= 2**64 - 1
+    return x - 2**64 if x >= 2**63 else x

@@ -1,0 +1,122 @@
+"""SDCConfig: what to check, how often, and what to do about it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+__all__ = ["SDCConfig", "DEFAULT_METRICS_PORT"]
+
+# 9100 is node_exporter, 9400 dcgm-exporter, 9464 the OpenTelemetry exporters' default: stay clear of all three.
+# Rank ports are base + local_rank, so 9860-9867 on an 8-GPU node.
+DEFAULT_METRICS_PORT = 9860
+
+Mode = Literal["auto", "exact", "tolerance"]
+Action = Literal["record", "raise"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SDCConfig:
+    """Monitor settings. Every field is validated; a bad value raises ``ValueError`` naming the field.
+
+    >>> SDCConfig(weights_every=1, replay_every=50, on_suspect="raise").replay_every
+    50
+
+    - ``weights_every``: run the weight-fingerprint check after every Nth optimizer step (0 = off).
+    - ``replay_every``: audit steps k with k % N == 0 by cross-replica replay (0 = off; needs ``loss_fn``).
+    - ``grad_checks``: non-finite checks of local (pre all-reduce) and reduced gradients.
+    - ``mode``: ``"exact"`` compares loss and gradient fingerprints bit for bit; ``"tolerance"`` compares relative
+      deltas against ``tolerance``; ``"auto"`` is exact on CPU and under ``torch.use_deterministic_algorithms``,
+      tolerance otherwise.
+    - ``tolerance``: relative threshold for tolerance mode, or ``"auto"`` to calibrate it from healthy reruns.
+    - ``on_suspect``: ``"record"`` keeps training; ``"raise"`` raises ``SDCDetected`` on every rank at the same step.
+    - ``metrics_port``: base port of the per-rank Prometheus endpoint (rank listens on base + local_rank);
+      ``None`` serves no endpoint. ``metrics_host``: interface to bind.
+    - ``otlp_endpoint``: OTLP/HTTP metrics endpoint (``http://collector:4318/v1/metrics``) or ``None``.
+    - ``incident_dir``: where rank 0 appends ``incidents.jsonl`` (``None``: incidents are logged and kept in memory).
+    - ``nvml``: read GPU counters through NVML when a GPU is present.
+    - ``job_name``: ``service.name`` of every metric series.
+    """
+
+    weights_every: int = 1
+    replay_every: int = 100
+    grad_checks: bool = True
+    mode: Mode = "auto"
+    tolerance: float | Literal["auto"] = "auto"
+    on_suspect: Action = "record"
+    metrics_port: int | None = DEFAULT_METRICS_PORT
+    metrics_host: str = "0.0.0.0"  # noqa: S104 - Prometheus scrapes ranks from another machine
+    otlp_endpoint: str | None = None
+    incident_dir: str | None = None
+    nvml: bool = True
+    job_name: str = "training"
+
+    def __post_init__(self) -> None:
+        for name in ("weights_every", "replay_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"SDCConfig.{name} must be an int >= 0 (0 = off), got {value!r}")
+        for name in ("grad_checks", "nvml"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SDCConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.mode not in ("auto", "exact", "tolerance"):
+            raise ValueError(f"SDCConfig.mode must be 'auto', 'exact' or 'tolerance', got {self.mode!r}")
+        tol = self.tolerance
+        if tol != "auto" and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < 1):
+            raise ValueError(f"SDCConfig.tolerance must be 'auto' or a relative threshold in (0, 1), got {tol!r}")
+        if self.on_suspect not in ("record", "raise"):
+            raise ValueError(f"SDCConfig.on_suspect must be 'record' or 'raise', got {self.on_suspect!r}")
+        port = self.metrics_port
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+            raise ValueError(f"SDCConfig.metrics_port must be a TCP port in 1..65535 or None, got {port!r}")
+        for name in ("metrics_host", "job_name"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"SDCConfig.{name} must be a non-empty string, got {getattr(self, name)!r}")
+        if self.otlp_endpoint is not None and not str(self.otlp_endpoint).startswith(("http://", "https://")):
+            raise ValueError(f"SDCConfig.otlp_endpoint must be an http(s) URL or None, got {self.otlp_endpoint!r}")
+        if self.incident_dir is not None and not isinstance(self.incident_dir, (str, os.PathLike)):
+            raise ValueError(f"SDCConfig.incident_dir must be a path or None, got {self.incident_dir!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> SDCConfig:
+        """Build a config from ``SDC_<FIELD>`` variables (``SDC_REPLAY_EVERY=50``, ``SDC_METRICS_PORT=none``).
+
+        Keyword ``overrides`` win over the environment. A malformed variable raises ``ValueError`` naming it.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            var = f"SDC_{f.name.upper()}"
+            if var not in env:
+                continue
+            values[f.name] = _parse(var, env[var], f.name)
+        values.update(overrides)
+        return cls(**values)
+
+
+_INT_FIELDS = {"weights_every", "replay_every"}
+_BOOL_FIELDS = {"grad_checks", "nvml"}
+_OPTIONAL_FIELDS = {"metrics_port", "otlp_endpoint", "incident_dir"}
+
+
+def _parse(var: str, raw: str, name: str) -> Any:
+    text = raw.strip()
+    if name in _OPTIONAL_FIELDS and text.lower() in ("", "none", "off"):
+        return None
+    try:
+        if name in _INT_FIELDS or name == "metrics_port":
+            return int(text)
+        if name in _BOOL_FIELDS:
+            lowered = text.lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if name == "tolerance":
+            return text if text == "auto" else float(text)
+    except ValueError:
+        raise ValueError(f"environment variable {var}={raw!r} is not a valid value for SDCConfig.{name}") from None
+    return text

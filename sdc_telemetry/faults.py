@@ -1,0 +1,170 @@
+"""Software fault injection for tests, demos and fire drills. Deterministic: the same plan hits the same bits.
+
+The injector counts optimizer steps itself (step 0 is the first step) through an optimizer post-step hook, and
+acts only on the rank it is told to. It uses public hooks only, and nothing on the detection path imports it::
+
+    faults = FaultInjector(ddp_model, optimizer)
+    faults.flip_weight_bit(rank=2, step=20, param="fc1.weight", index=3, bit=12)
+    monitor = SDCMonitor(ddp_model, optimizer, loss_fn, config, comm_hook=faults.comm_hook)  # for reduced faults
+
+What each fault does and when:
+- ``flip_weight_bit``: XOR bit ``bit`` of element ``index`` (row-major) of parameter ``param`` on ``rank``, just
+  before step ``step``'s first forward pass (memory corruption between steps). With ``weights_every=1`` the weight
+  check of that same step sees it. Bits 0-22 of an fp32 element are mantissa bits (always finite).
+- ``nonfinite_grad``: replace element ``index`` (default: all) of ``param``'s local gradient on ``rank`` with
+  ``value`` (NaN or Inf) in every backward pass of step ``step``, before DDP copies it into a bucket.
+- ``perturb_output``: from step ``step`` on (``steps=None``) or for ``steps`` steps, multiply ``module``'s output by
+  ``1 + relative`` on ``rank`` — a compute fault, so it also hits any recomputation on that rank. With
+  ``transient=True`` only the first forward call of step ``step`` is hit (a fault that a rerun does not reproduce).
+- ``corrupt_reduced_grad``: after the all-reduce of step ``step``, overwrite element ``index`` of the first bucket on
+  ``rank`` with ``value`` (default NaN): corruption on the communication path. Needs ``comm_hook`` passed to
+  the monitor (or registered on the DDP model when no monitor runs).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["FaultInjector", "flip_bit"]
+
+
+def flip_bit(tensor: torch.Tensor, index: int, bit: int) -> None:
+    """XOR one bit of element ``index`` (row-major) of ``tensor`` in place."""
+    width = tensor.element_size() * 8
+    if not 0 <= bit < width:
+        raise ValueError(f"bit must be in 0..{width - 1} for {tensor.dtype}, got {bit}")
+    if not 0 <= index < tensor.numel():
+        raise ValueError(f"index must be in 0..{tensor.numel() - 1}, got {index}")
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    with torch.no_grad():
+        flat = tensor.detach().view(-1).view(ints)
+        mask = -(1 << bit) if bit == width - 1 and ints is not torch.uint8 else (1 << bit)
+        flat[index] ^= mask
+
+
+class FaultInjector:
+    """Plans faults against one DDP model and optimizer on this rank. ``close()`` removes every hook."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, start_step: int = 0) -> None:
+        self.model = model
+        self.module = getattr(model, "module", model)
+        self.step = start_step
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.fired: list[str] = []
+        self._reduced: list[tuple[int, int, float]] = []
+        self._handles = [optimizer.register_step_post_hook(self._advance)]
+
+    def _advance(self, *_: Any) -> None:
+        self.step += 1
+
+    def _param(self, name: str | None) -> torch.nn.Parameter:
+        params = dict(self.module.named_parameters())
+        if name is None:
+            return next(iter(params.values()))
+        if name not in params:
+            raise ValueError(f"no parameter named {name!r}; known: {sorted(params)[:20]}")
+        return params[name]
+
+    def _submodule(self, name: str) -> torch.nn.Module:
+        try:
+            return self.module.get_submodule(name)
+        except AttributeError:
+            known = [n for n, _ in self.module.named_modules() if n]
+            raise ValueError(f"no module named {name!r}; known: {known[:20]}") from None
+
+    def flip_weight_bit(self, *, rank: int, step: int, param: str | None = None, index: int = 0, bit: int = 0
+                        ) -> None:
+        target = self._param(param)
+        if not 0 <= bit < target.element_size() * 8 or not 0 <= index < target.numel():  # fail now, not at step
+            raise ValueError(f"bit {bit} / index {index} out of range for {param} ({target.dtype}, "
+                             f"{target.numel()} elements)")
+        done = False
+
+        def pre_forward(*_: Any) -> None:
+            nonlocal done
+            if not done and self.rank == rank and self.step == step:
+                done = True
+                flip_bit(target.data, index, bit)
+                self.fired.append(f"weight bit {bit} of {param}[{index}] at step {step}")
+
+        self._handles.append(self.model.register_forward_pre_hook(pre_forward))
+
+    def nonfinite_grad(self, *, rank: int, step: int, param: str | None = None, index: int | None = None,
+                       value: float = math.nan) -> None:
+        if math.isfinite(value):
+            raise ValueError(f"value must be NaN or +-Inf, got {value}")
+        target = self._param(param)
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            if self.rank != rank or self.step != step:
+                return grad
+            out = grad.clone()
+            if index is None:
+                out.fill_(value)
+            else:
+                out.view(-1)[index] = value
+            self.fired.append(f"non-finite gradient in {param} at step {step}")
+            return out
+
+        self._handles.append(target.register_hook(hook))
+
+    def perturb_output(self, *, rank: int, step: int, module: str, relative: float = 1e-3,
+                       steps: int | None = None, transient: bool = False) -> None:
+        target = self._submodule(module)
+        calls_at_step = 0
+
+        def hook(_m: torch.nn.Module, _inp: Any, out: Any) -> Any:
+            nonlocal calls_at_step
+            if self.rank != rank or self.step < step or (steps is not None and self.step >= step + steps):
+                return out
+            if transient:
+                if self.step != step or calls_at_step > 0:
+                    return out
+                calls_at_step += 1
+            self.fired.append(f"output of {module} scaled by {1 + relative} at step {self.step}")
+            return _map_tensors(out, lambda t: t * (1 + relative))
+
+        self._handles.append(target.register_forward_hook(hook))
+
+    def corrupt_reduced_grad(self, *, rank: int, step: int, index: int = 0, value: float = math.nan) -> None:
+        self._reduced.append((rank, step, value))
+        self._reduced_index = index
+
+    def comm_hook(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """A DDP comm hook: the default averaging all-reduce, then the planned reduced-gradient corruption."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        fut = default_hooks.allreduce_hook(state, bucket)
+        hits = [v for r, s, v in self._reduced if r == self.rank and s == self.step] if bucket.index() == 0 else []
+        if not hits:
+            return fut
+
+        def corrupt(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            t = f.value()
+            t.view(-1)[self._reduced_index] = hits[0]
+            self.fired.append(f"reduced gradient corrupted at step {self.step}")
+            return t
+
+        return fut.then(corrupt)
+
+    comm_hook.__annotations__ = {}  # DDP checks annotations against real classes, not postponed strings
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj

@@ -1,0 +1,77 @@
+"""Who a rank is: rank, local rank, host and the hardware it computes on."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankIdentity"]
+
+HOST_NAME_ENV = "SDC_HOST_NAME"
+
+
+@dataclass(frozen=True)
+class RankIdentity:
+    """A rank's identity as incidents, logs and metrics name it.
+
+    ``hw_id`` is the GPU UUID (``GPU-...``, the same string NVML and DCGM report) when the rank computes on a CUDA
+    device, else ``cpu:<host>:<local_rank>``.
+
+    >>> RankIdentity(rank=2, local_rank=2, host_name="node-a", hw_id="cpu:node-a:2").rank
+    2
+    """
+
+    rank: int
+    local_rank: int
+    host_name: str
+    hw_id: str
+
+    @classmethod
+    def local(cls, device: torch.device | None = None) -> RankIdentity:
+        """This process's identity.
+
+        The rank comes from the initialised default process group (else ``RANK``), the local rank from
+        ``LOCAL_RANK`` (torchrun sets it; else the rank), the host from ``SDC_HOST_NAME`` when set (containers whose
+        hostname is a pod id) else the machine's host name. ``device`` is the rank's compute device; by default the
+        current CUDA device when CUDA is available.
+        """
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        host = os.environ.get(HOST_NAME_ENV) or socket.gethostname()
+        if device is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        hw_id = _gpu_uuid(device) if device is not None and device.type == "cuda" else None
+        return cls(rank=rank, local_rank=local_rank, host_name=host, hw_id=hw_id or f"cpu:{host}:{local_rank}")
+
+    def describe(self) -> str:
+        """One human line: ``rank 2 (local 2) on node-a, GPU-...``."""
+        return f"rank {self.rank} (local {self.local_rank}) on {self.host_name}, {self.hw_id}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _gpu_uuid(device: torch.device) -> str | None:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+    except (AttributeError, RuntimeError):
+        pass
+    try:  # NVML enumerates all GPUs: map through the PCI bus id, which CUDA_VISIBLE_DEVICES does not renumber
+        import pynvml
+
+        pynvml.nvmlInit()
+        bus_id = torch.cuda.get_device_properties(index).pci_bus_id if hasattr(
+            torch.cuda.get_device_properties(index), "pci_bus_id") else None
+        handle = (pynvml.nvmlDeviceGetHandleByPciBusId(bus_id) if bus_id
+                  else pynvml.nvmlDeviceGetHandleByIndex(index))
+        uuid = pynvml.nvmlDeviceGetUUID(handle)
+        return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+    except Exception:  # noqa: BLE001 - identity must never fail; the caller falls back to a CPU-style id
+        return None
