@@ -37,5 +37,10 @@ class Observer:
     def internal_error(self, component: str) -> None:
         """A part of the monitor failed and was contained."""
 
+    def gpu_snapshot(self) -> dict[str, object]:
+        """This rank's GPU counters now (JSON-serialisable), for the evidence of an incident naming this rank.
+        Called on the training thread on the rare incident path only; empty when there is no GPU telemetry."""
+        return {}
+
     def close(self) -> None:
         """Stop background work; a second call is harmless."""
