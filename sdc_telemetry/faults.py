@@ -63,7 +63,7 @@ class FaultInjector:
         self.step += 1
 
     def _param(self, name: str | None) -> torch.nn.Parameter:
-        params = dict(self.module.named_parameters())
+        params: dict[str, torch.nn.Parameter] = dict(self.module.named_parameters())
         if name is None:
             return next(iter(params.values()))
         if name not in params:
@@ -111,7 +111,7 @@ class FaultInjector:
             self.fired.append(f"non-finite gradient in {param} at step {step}")
             return out
 
-        self._handles.append(target.register_hook(hook))
+        self._handles.append(target.register_hook(hook))  # type: ignore[no-untyped-call]
 
     def perturb_output(self, *, rank: int, step: int, module: str, relative: float = 1e-3,
                        steps: int | None = None, transient: bool = False) -> None:
@@ -135,7 +135,7 @@ class FaultInjector:
         self._reduced.append((rank, step, value))
         self._reduced_index = index
 
-    def comm_hook(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def comm_hook(self, state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         """A DDP comm hook: the default averaging all-reduce, then the planned reduced-gradient corruption."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -152,12 +152,14 @@ class FaultInjector:
 
         return fut.then(corrupt)
 
-    comm_hook.__annotations__ = {}  # DDP checks annotations against real classes, not postponed strings
-
     def close(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+# DDP checks a hook's annotations against the real classes; postponed (string) annotations would fail that check.
+FaultInjector.comm_hook.__annotations__ = {}
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

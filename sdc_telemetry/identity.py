@@ -67,10 +67,9 @@ def _gpu_uuid(device: torch.device) -> str | None:
         import pynvml
 
         pynvml.nvmlInit()
-        bus_id = torch.cuda.get_device_properties(index).pci_bus_id if hasattr(
-            torch.cuda.get_device_properties(index), "pci_bus_id") else None
-        handle = (pynvml.nvmlDeviceGetHandleByPciBusId(bus_id) if bus_id
-                  else pynvml.nvmlDeviceGetHandleByIndex(index))
+        props: Any = torch.cuda.get_device_properties(index)
+        bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus)
         uuid = pynvml.nvmlDeviceGetUUID(handle)
         return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
     except Exception:  # noqa: BLE001 - identity must never fail; the caller falls back to a CPU-style id

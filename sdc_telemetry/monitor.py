@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,7 +76,7 @@ class StepContext:
             raise ValueError(f"step.backward() needs a scalar loss tensor, got {type(loss).__name__}"
                              + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
         self._monitor._record_loss(loss, scale)
-        scaled(loss, scale).backward()
+        scaled(loss, scale).backward()  # type: ignore[no-untyped-call]
 
     def _require_active(self, what: str) -> None:
         if not self._active:
@@ -345,13 +345,11 @@ class SDCMonitor:
         except Exception:  # noqa: BLE001 - send a row that cannot match, so the failure is visible
             self._internal_error("weights", "fingerprinting parameters failed")
             local = torch.full((len(self._params),), -1, dtype=torch.int64)
-        finding, rows = self._weights.run(local)
-        mine = rows[self._ranks.index(self.rank)]
+        finding, _ = self._weights.run(local)
         agrees = finding is None or self.rank not in finding.suspect_ranks
         self._guard("telemetry", self._observer.weights_measured, agrees)
         self._guard("telemetry", self._observer.check_done, "weights", finding is None,
                     time.perf_counter() - start)
-        del mine
         return [finding] if finding is not None else []
 
     # -- response ------------------------------------------------------------------------------------------------
@@ -402,8 +400,9 @@ class SDCMonitor:
         except ImportError:
             return Observer()
         try:
-            return Telemetry(self.config, self.identity, **deps)
-        except Exception:  # noqa: BLE001 - telemetry never breaks training
+            telemetry: Observer = Telemetry(self.config, self.identity, **deps)
+            return telemetry
+        except Exception:
             log.exception("sdc_telemetry: telemetry could not start; checks go on without metrics")
             return Observer()
 
@@ -416,16 +415,10 @@ class SDCMonitor:
             return fn(*args)
         except SDCDetected:
             raise
-        except Exception:  # noqa: BLE001 - telemetry and bookkeeping never break training
+        except Exception:  # telemetry and bookkeeping never break training
             log.exception("sdc_telemetry: %s failed (rank %d); training goes on", component, self.rank)
             if component != "telemetry":
-                try:
+                with contextlib.suppress(Exception):
                     self._observer.internal_error(component)
-                except Exception:  # noqa: BLE001
-                    pass
             return None
 
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..fingerprint import fingerprint
 from . import Finding
 
 __all__ = ["GradRecord", "CommHookState", "comm_hook", "reduced_norms", "StatusRow", "decide"]
 
-CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+GradBucket = Any  # torch.distributed.GradBucket (a pybind class the type checker cannot see)
+CommHook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
 
 
 class GradRecord:
@@ -47,7 +47,7 @@ class GradRecord:
         self.buckets = 0
         self.failed = False
 
-    def measure(self, bucket: dist.GradBucket) -> None:
+    def measure(self, bucket: GradBucket) -> None:
         grads = bucket.gradients()
         key = tuple(self._index[id(p)] for p in bucket.parameters())
         idx = self._idx_cache.get(key)
@@ -61,7 +61,8 @@ class GradRecord:
         return self.fp.sum()
 
     def total_norm(self) -> torch.Tensor:
-        return torch.linalg.vector_norm(self.norms)
+        norm: torch.Tensor = torch.linalg.vector_norm(self.norms)
+        return norm
 
 
 @dataclass
@@ -74,7 +75,7 @@ class CommHookState:
     enabled: bool = True
 
 
-def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def comm_hook(state: CommHookState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Measure the bucket's local gradients, then run the wrapped all-reduce hook (the user's or DDP's default)."""
     if state.enabled:
         try:

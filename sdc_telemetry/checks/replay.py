@@ -342,10 +342,10 @@ class ReplayCheck:
                 with torch.enable_grad(), ctx:
                     loss = self._loss_fn(self._module, mb.batch)
                 grads = torch.autograd.grad(scaled(loss, mb.scale), self._params, allow_unused=True)
-                for i, g in enumerate(grads):
-                    if g is not None:
+                for i, grad in enumerate(grads):
+                    if grad is not None:
                         prev = total[i]
-                        total[i] = g if prev is None else prev + g
+                        total[i] = grad if prev is None else prev + grad  # the order autograd accumulates .grad in
                 losses.append(float(loss.detach().double().item()))
             present = [g for g in total if g is not None]
             fp = int(fingerprint(present).sum().item()) if present else 0

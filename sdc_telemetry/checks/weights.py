@@ -46,8 +46,8 @@ def decide(rows: Sequence[Sequence[int]], ranks: Sequence[int], names: Sequence[
         return None
     differing: dict[str, list[str]] = {}
     fingerprints: dict[str, dict[str, str]] = {}
-    for pos, cols in v.differing.items():
-        shown = cols[:_MAX_NAMES]
+    for pos, all_cols in v.differing.items():
+        shown = all_cols[:_MAX_NAMES]
         differing[str(ranks[pos])] = [names[c] for c in shown]
         fingerprints[str(ranks[pos])] = {names[c]: f"{rows[pos][c] & (2**64 - 1):016x}" for c in shown}
     evidence: dict[str, object] = {

@@ -1,0 +1,179 @@
+"""``sdc-telemetry``: the demo, and regeneration of the checked-in dashboards and alert rules."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from .config import DEFAULT_METRICS_PORT
+
+__all__ = ["main"]
+
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    from .demo import FAULTS
+
+    p.add_argument("--fault", choices=FAULTS, default="weight-bitflip", help="fault to inject (default: %(default)s)")
+    p.add_argument("--fault-rank", type=int, default=2, help="rank that misbehaves (default: %(default)s)")
+    p.add_argument("--fault-step", type=int, default=20, help="step at which the fault starts (default: %(default)s)")
+    p.add_argument("--world", type=int, default=4, help="number of CPU ranks (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=40, help="training steps (default: %(default)s)")
+    p.add_argument("--replay-every", type=int, default=25, help="replay audit cadence (default: %(default)s)")
+    p.add_argument("--on-suspect", choices=("record", "raise"), default="raise",
+                   help="raise: every rank stops at the incident's step (default); record: train on")
+    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                   help="base metrics port, rank r serves on base + r (default: %(default)s; 0 = no endpoint)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="interface for the metrics endpoints")
+    p.add_argument("--step-delay", type=float, default=None,
+                   help="seconds to sleep per step (default: 0, or 0.25 when Prometheus runs, so it sees the run)")
+    p.add_argument("--serve-after", type=float, default=None,
+                   help="seconds to keep serving metrics after training (default: 0, or until the page arrives)")
+    p.add_argument("--incident-dir", default=None, help="directory for incidents.jsonl (default: a temp dir)")
+    p.add_argument("--no-stack", action="store_true", help="do not start Prometheus/Alertmanager even if installed")
+    p.add_argument("--page-timeout", type=float, default=90.0, help="seconds to wait for the Alertmanager page")
+
+
+def _stack_cls() -> Any:
+    try:
+        from .stack import LocalStack
+    except ImportError:
+        return None
+    return LocalStack if LocalStack.available() else None
+
+
+def demo(args: argparse.Namespace) -> int:
+    from .demo import DemoPlan, expected, run_rank
+    from .testing import spawn_ranks
+
+    if not 0 <= args.fault_rank < args.world:
+        print(f"--fault-rank must be in 0..{args.world - 1}", file=sys.stderr)
+        return 2
+    if args.world < 2:
+        print("--world must be at least 2: the checks compare replicas", file=sys.stderr)
+        return 2
+    stack_cls = None if args.no_stack or not args.metrics_port else _stack_cls()
+    tmp = tempfile.TemporaryDirectory(prefix="sdc-demo-")
+    stop_file = str(Path(tmp.name) / "stop")
+    plan = DemoPlan(
+        fault=args.fault, fault_rank=args.fault_rank, fault_step=args.fault_step, steps=args.steps,
+        replay_every=args.replay_every, on_suspect=args.on_suspect, metrics_port=args.metrics_port or None,
+        metrics_host=args.metrics_host,
+        step_delay=args.step_delay if args.step_delay is not None else (0.25 if stack_cls else 0.0),
+        serve_after=args.serve_after if args.serve_after is not None else (args.page_timeout if stack_cls else 0.0),
+        stop_file=stop_file, incident_dir=args.incident_dir or tmp.name,
+    )
+    want = expected(plan)
+    print(f"sdc-telemetry demo: {args.world} CPU ranks (gloo), fault={plan.fault}"
+          + (f" on rank {plan.fault_rank} at step {plan.fault_step}" if want else "")
+          + f", {plan.steps} steps, replay every {plan.replay_every}, on_suspect={plan.on_suspect}", flush=True)
+    if plan.metrics_port:
+        ports = ", ".join(f"http://{plan.metrics_host}:{plan.metrics_port + r}/metrics" for r in range(args.world))
+        print(f"metrics: {ports}  (GPU counters come from a fake NVML on this CPU-only demo)", flush=True)
+    results: list[Any] = []
+    failure: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            results.extend(spawn_ranks(run_rank, args.world, (plan,), timeout=600,
+                                       rank_env=lambda r: {"LOCAL_RANK": str(r)}))
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            failure.append(e)
+
+    page = None
+    try:
+        if stack_cls is not None:
+            targets = [f"127.0.0.1:{plan.metrics_port + r}" for r in range(args.world)]  # type: ignore[operator]
+            with stack_cls(targets=targets, workdir=tmp.name) as stack:
+                print(f"prometheus: {stack.prometheus_url}  alertmanager: {stack.alertmanager_url}", flush=True)
+                trainer = threading.Thread(target=train, daemon=True)
+                trainer.start()
+                if want is not None:
+                    alert = {"weights": "SDCWeightFingerprintMismatch", "replay": "SDCReplayMismatch",
+                             "grad_local": "SDCNonFiniteGradient", "grad_reduced": "SDCCommunicationCorruption"}
+                    page = stack.wait_for_alert(alert[want[0][0]], timeout=args.page_timeout)
+                Path(stop_file).touch()
+                trainer.join()
+        else:
+            train()
+    finally:
+        Path(stop_file).touch()
+    if failure:
+        print(f"demo failed: {failure[0]}", file=sys.stderr)
+        tmp.cleanup()
+        return 1
+    ok = _report(results, want, plan.incident_dir)
+    if page is not None:
+        labels = page.get("labels", {})
+        print(f"page received from Alertmanager: {labels.get('alertname')} [{labels.get('severity')}] "
+              f"host={labels.get('host_name')} rank={labels.get('rank')} gpu={labels.get('hw_id')}: "
+              f"{page.get('annotations', {}).get('summary', '')}")
+    elif stack_cls is not None and want is not None:
+        print("no page arrived from Alertmanager in time", file=sys.stderr)
+        ok = False
+    tmp.cleanup()
+    return 0 if ok else 1
+
+
+def _verdicts(result: dict[str, Any]) -> list[tuple[Any, ...]]:
+    return [(i["step"], i["check"], tuple(i["suspect_ranks"])) for i in result["incidents"]]
+
+
+def _report(results: list[dict[str, Any]], want: tuple[tuple[str, ...], int, int] | None,
+            incident_dir: str | None) -> bool:
+    incidents = results[0]["incidents"]
+    same = all(_verdicts(r) == _verdicts(results[0]) for r in results)
+    print(f"\n{len(incidents)} incident(s); every rank recorded the same verdicts: {same}")
+    for inc in incidents:
+        for s in inc["suspects"]:
+            print(f"  step {inc['step']}: check {inc['check']} suspects host {s['host_name']} rank {s['rank']} "
+                  f"GPU {s['hw_id']}" + (" (ambiguous)" if inc["evidence"].get("ambiguous") else ""))
+    if incident_dir:
+        path = Path(incident_dir) / "incidents.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        print(f"incident file: {len(lines)} JSON line(s)")
+    if want is None:
+        ok = same and not incidents
+        print("outcome: healthy run, no incident" if ok else "outcome: UNEXPECTED incidents on a healthy run")
+        return ok
+    checks, step, rank = want
+    first = incidents[0] if incidents else None
+    ok = same and first is not None and first["check"] in checks and first["step"] == step \
+        and first["suspect_ranks"] == [rank]
+    print(f"outcome: {'as predicted' if ok else 'NOT as predicted'} (expected check {' or '.join(checks)} at step "
+          f"{step} naming rank {rank})")
+    return ok
+
+
+def regenerate(kind: str, out: str | None) -> int:
+    root = Path(__file__).resolve().parent.parent
+    if kind == "dashboards":
+        from .dashboards import generate
+    else:
+        from .alerts import generate
+    paths = generate(Path(out) if out else root / kind)
+    for p in paths:
+        print(p)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sdc-telemetry", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _demo_args(sub.add_parser("demo", help="multi-rank CPU training with an injected fault, the suspect named"))
+    for kind in ("dashboards", "alerts"):
+        p = sub.add_parser(kind, help=f"regenerate the checked-in {kind}")
+        p.add_argument("--out", default=None, help=f"output directory (default: the repository's {kind}/)")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        return demo(args)
+    return regenerate(args.command, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
