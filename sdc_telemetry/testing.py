@@ -12,6 +12,7 @@ process is killed.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import tempfile
 import traceback
@@ -38,7 +39,9 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, init_file: str, env: d
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         try:
-            results.put((rank, "ok", fn(rank, world, *args)))
+            # Pickled by value here: torch's queue would share tensors through file descriptors that die with
+            # this process before the parent reads them.
+            results.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - reported to the parent with the traceback
@@ -74,7 +77,7 @@ def spawn_ranks(fn: Callable[..., Any], world: int, args: tuple[Any, ...] = (), 
                     raise RankFailed(f"ranks {sorted(set(range(world)) - set(out))} did not finish within "
                                      f"{timeout:.0f}s") from None
                 if status == "ok":
-                    out[rank] = value
+                    out[rank] = pickle.loads(value)  # noqa: S301 - our own child process's result
                 else:
                     errors.append(f"rank {rank}: {value}")
             for p in procs:

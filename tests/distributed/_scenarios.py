@@ -1,0 +1,130 @@
+"""Rank-side training scenarios for the distributed tests (module level, so spawned ranks can import them).
+
+A scenario is a plain dict: which fault to plan, the monitor config, the number of steps and options. One spawn runs
+several scenarios in a row on the same process group, each with a fresh model, DDP wrapper, optimizer and monitor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import sdc_telemetry as sdc
+from sdc_telemetry.faults import FaultInjector
+
+
+class Net(nn.Module):
+    def __init__(self, batchnorm: bool = False) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.norm = nn.BatchNorm1d(32) if batchnorm else nn.LayerNorm(32)
+        self.act = nn.GELU()
+        self.drop = nn.Dropout(0.2)
+        self.fc2 = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(self.act(self.norm(self.fc1(x)))))
+
+
+def loss_fn(module: nn.Module, batch: Any) -> torch.Tensor:
+    return nn.functional.cross_entropy(module(batch["x"]), batch["y"])
+
+
+def _plan(faults: FaultInjector, fault: dict[str, Any] | None) -> None:
+    if not fault:
+        return
+    kind = fault["kind"]
+    args = {k: v for k, v in fault.items() if k != "kind"}
+    getattr(faults, kind)(**args)
+
+
+def _state(model: nn.Module) -> dict[str, Any]:
+    return {
+        "grads": {n: p.grad.clone() if p.grad is not None else None for n, p in model.named_parameters()},
+        "buffers": {n: b.clone() for n, b in model.named_buffers()},
+        "rng": torch.get_rng_state().clone(),
+    }
+
+
+def _same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    def eq(x: Any, y: Any) -> bool:
+        return (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+
+    return (all(eq(a["grads"][k], b["grads"][k]) for k in a["grads"])
+            and all(torch.equal(a["buffers"][k], b["buffers"][k]) for k in a["buffers"])
+            and torch.equal(a["rng"], b["rng"]))
+
+
+def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
+    torch.manual_seed(sc.get("seed", 0))
+    net = Net(batchnorm=sc.get("batchnorm", False))
+    ddp = DistributedDataParallel(net)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    snapshots: list[dict[str, Any]] = []
+    undisturbed: list[bool] = []
+    if sc.get("watch_state"):  # registered around the monitor's hooks: what its pre-step work changes
+        opt.register_step_pre_hook(lambda *_: snapshots.append(_state(net)))
+    faults = FaultInjector(ddp, opt)
+    _plan(faults, sc.get("fault"))
+    config = sdc.SDCConfig(**{"metrics_port": None, "nvml": False, **sc.get("config", {})})
+    monitor = sdc.SDCMonitor(ddp, opt, loss_fn=loss_fn if config.replay_every else None, config=config,
+                             comm_hook=faults.comm_hook)
+    if sc.get("watch_state"):
+        opt.register_step_pre_hook(lambda *_: undisturbed.append(_same_state(snapshots[-1], _state(net))))
+    if sc.get("bad_batch"):
+        try:
+            with monitor.step({"x": torch.ones(2, 16), "meta": [1, object()]}):
+                pass
+        except TypeError as e:
+            return {"error": str(e)}
+        finally:
+            monitor.close()
+        return {"error": None}
+    gen = torch.Generator().manual_seed(1000 + rank)
+    raised_at, raised_after_s = None, None
+    accumulate = sc.get("accumulate", 1)
+    start = time.monotonic()
+    try:
+        for _ in range(sc.get("steps", 8)):
+            micro = [{"x": torch.randn(8, 16, generator=gen), "y": torch.randint(0, 4, (8,), generator=gen)}
+                     for _ in range(accumulate)]
+            if accumulate == 1:
+                with monitor.step(micro[0]) as step:
+                    step.backward(loss_fn(ddp, micro[0]))
+            else:
+                with monitor.step() as step:
+                    for i, mb in enumerate(micro):
+                        step.micro_batch(mb)
+                        ctx = contextlib.nullcontext() if i == accumulate - 1 else ddp.no_sync()
+                        with ctx:
+                            step.backward(loss_fn(ddp, mb), scale=1 / accumulate)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    except sdc.SDCDetected as e:
+        raised_at = e.incident.step
+        raised_after_s = time.monotonic() - start
+    monitor.close()
+    faults.close()
+    return {
+        "incidents": [i.to_dict() for i in monitor.incidents],
+        "raised_at": raised_at,
+        "raised_after_s": raised_after_s,
+        "weights": {n: p.detach().clone() for n, p in net.named_parameters()},
+        "undisturbed": undisturbed,
+        "fired": faults.fired,
+        "identity": monitor.identity.to_dict(),
+    }
+
+
+def run_scenarios(rank: int, world: int, scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for sc in scenarios:
+        out.append(run_one(rank, sc))
+        dist.barrier()
+    return out

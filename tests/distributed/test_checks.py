@@ -1,0 +1,136 @@
+"""Multi-rank (gloo, real processes) tests of the gradient, weight and replay checks under injected faults."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from sdc_telemetry.testing import spawn_ranks
+
+from ._scenarios import run_scenarios
+
+NAN = math.nan
+
+
+def _hosts(names: list[str]):  # type: ignore[no-untyped-def]
+    return lambda r: {"SDC_HOST_NAME": names[r], "LOCAL_RANK": str(r % 2)}
+
+
+def _first(result: dict[str, Any]) -> dict[str, Any]:
+    assert result["incidents"], "expected an incident, got none"
+    return result["incidents"][0]
+
+
+def _verdicts(result: dict[str, Any]) -> list[tuple[Any, ...]]:
+    return [(i["step"], i["check"], tuple(i["suspect_ranks"]), i["evidence"].get("ambiguous"))
+            for i in result["incidents"]]
+
+
+def _assert_collective(per_rank: list[dict[str, Any]]) -> None:
+    """Every rank reached the same verdicts at the same steps."""
+    assert all(_verdicts(r) == _verdicts(per_rank[0]) for r in per_rank)
+
+
+def _faults(world: int, bad: int) -> list[dict[str, Any]]:
+    base = {"config": {"replay_every": 0, "on_suspect": "record"}, "steps": 6}
+    return [
+        {**base, "fault": {"kind": "flip_weight_bit", "rank": bad, "step": 3, "param": "fc1.weight", "index": 5,
+                           "bit": 9}},
+        {**base, "fault": {"kind": "nonfinite_grad", "rank": bad, "step": 2, "param": "fc2.weight", "index": 3}},
+        {**base, "fault": {"kind": "corrupt_reduced_grad", "rank": bad, "step": 4, "index": 1, "value": math.inf}},
+        {"config": {"replay_every": 2, "on_suspect": "record"}, "steps": 6,
+         "fault": {"kind": "perturb_output", "rank": bad, "step": 3, "module": "act", "relative": 1e-3}},
+        {"config": {"replay_every": 0, "on_suspect": "raise"}, "steps": 8,
+         "fault": {"kind": "flip_weight_bit", "rank": bad, "step": 5, "param": "fc2.bias", "index": 1, "bit": 3}},
+    ]
+
+
+@pytest.mark.parametrize("world,bad", [(4, 2), (3, 1)])
+def test_each_fault_is_caught_at_its_step_naming_the_rank(world: int, bad: int, tmp_path: Path) -> None:
+    """Bit flip -> weights, NaN local grad -> grad_local, corrupted reduced grad -> grad_reduced, compute -> replay,
+    and on_suspect=raise stops every rank at the same step."""
+    hosts = [f"node-{r // 2}" for r in range(world)]
+    scenarios = _faults(world, bad)
+    scenarios[0]["config"] = {**scenarios[0]["config"], "incident_dir": str(tmp_path)}
+    results = spawn_ranks(run_scenarios, world, (scenarios,), timeout=180, rank_env=_hosts(hosts))
+    by_scenario = list(zip(*results, strict=True))
+
+    bitflip, nan, comm, compute, raised = by_scenario
+    expected = [(bitflip, "weights", 3), (nan, "grad_local", 2), (comm, "grad_reduced", 4), (compute, "replay", 4)]
+    for per_rank, check, step in expected:
+        _assert_collective(list(per_rank))
+        inc = _first(per_rank[0])
+        assert (inc["check"], inc["step"], inc["suspect_ranks"]) == (check, step, [bad]), inc
+        suspect = inc["suspects"][0]
+        assert suspect["host_name"] == hosts[bad] and suspect["rank"] == bad
+        assert suspect["hw_id"] == f"cpu:{hosts[bad]}:{bad % 2}"
+
+    assert _first(bitflip[0])["evidence"]["differing_parameters"] == {str(bad): ["fc1.weight"]}
+    assert _first(nan[0])["evidence"]["nonfinite_parameters"] == {str(bad): ["fc2.weight"]}
+    assert _first(comm[0])["evidence"]["verdict"] == "communication"
+    assert _first(compute[0])["evidence"]["fault"] == "persistent"
+    assert all(i["step"] >= 4 for i in compute[0]["incidents"])  # nothing before the first audit after the fault
+
+    assert [r["raised_at"] for r in raised] == [5] * world
+    assert all(r["raised_after_s"] < 60 for r in raised)
+    assert _first(raised[0])["suspect_ranks"] == [bad]
+
+    lines = (tmp_path / "incidents.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert records and all(r["check"] == "weights" and r["suspect_ranks"] == [bad] for r in records)
+    assert len(records) == len(bitflip[0]["incidents"])  # one writer: each incident once
+
+
+def test_two_replicas_separate_transient_from_persistent_compute_faults() -> None:
+    """World 2: a fault the rank cannot reproduce names it; a reproducible one is ambiguous and names both."""
+    scenarios = [
+        {"config": {"replay_every": 2}, "steps": 5,
+         "fault": {"kind": "perturb_output", "rank": 1, "step": 2, "module": "act", "relative": 1e-3,
+                   "transient": True}},
+        {"config": {"replay_every": 2}, "steps": 3,
+         "fault": {"kind": "perturb_output", "rank": 0, "step": 2, "module": "act", "relative": 1e-3}},
+        {"config": {"replay_every": 2}, "bad_batch": True},
+    ]
+    transient, persistent, bad_batch = zip(*spawn_ranks(run_scenarios, 2, (scenarios,), timeout=120), strict=True)
+    _assert_collective(list(transient))
+    _assert_collective(list(persistent))
+    assert _verdicts(transient[0]) == [(2, "replay", (1,), False)]
+    assert _first(transient[0])["evidence"]["fault"] == "transient"
+    assert _first(transient[0])["evidence"]["reproduced_own_result"] == {"0": True, "1": False}
+    assert _verdicts(persistent[0]) == [(2, "replay", (0, 1), True)]
+    assert _first(persistent[0])["evidence"]["fault"] == "persistent"
+    assert all("batch['meta'][1]" in r["error"] and "builtins.object" in r["error"] for r in bad_batch)
+
+
+def test_healthy_long_run_replay_tolerance_accumulation_and_no_side_effects() -> None:
+    """Healthy 200 steps (dropout, AdamW, replay every 10) -> no incident; tolerance mode flags only perturbations
+    above the tolerance; gradient accumulation replays all micro-batches; replay leaves weights, .grad, buffers and
+    RNG exactly as without it."""
+    scenarios = [
+        {"config": {"replay_every": 10, "mode": "exact"}, "steps": 200},
+        {"config": {"replay_every": 2, "mode": "tolerance", "tolerance": 1e-2}, "steps": 3,
+         "fault": {"kind": "perturb_output", "rank": 2, "step": 1, "module": "act", "relative": 1e-5}},
+        {"config": {"replay_every": 2, "mode": "tolerance", "tolerance": 1e-2}, "steps": 3,
+         "fault": {"kind": "perturb_output", "rank": 2, "step": 1, "module": "act", "relative": 0.5}},
+        {"config": {"replay_every": 1}, "steps": 4, "accumulate": 3},
+        {"config": {"replay_every": 2}, "steps": 4, "accumulate": 3,
+         "fault": {"kind": "perturb_output", "rank": 0, "step": 2, "module": "fc1", "relative": 1e-3}},
+        {"config": {"replay_every": 1}, "steps": 6, "batchnorm": True, "watch_state": True, "seed": 7},
+        {"config": {"replay_every": 0}, "steps": 6, "batchnorm": True, "seed": 7},
+    ]
+    healthy, small, large, accum, accum_fault, replay_on, replay_off = zip(
+        *spawn_ranks(run_scenarios, 3, (scenarios,), timeout=300), strict=True)
+    assert all(not r["incidents"] for r in healthy)
+    assert all(not r["incidents"] for r in small)
+    assert _verdicts(large[0])[0] == (2, "replay", (2,), False)
+    assert all(not r["incidents"] for r in accum)
+    assert _verdicts(accum_fault[0])[0] == (2, "replay", (0,), False)
+    for on, off in zip(replay_on, replay_off, strict=True):
+        assert not on["incidents"] and not off["incidents"]
+        assert on["undisturbed"] and all(on["undisturbed"])
+        assert all(torch.equal(on["weights"][n], off["weights"][n]) for n in on["weights"])

@@ -1,0 +1,102 @@
+"""Bad input to the monitor gets a clear error (single process; a one-rank gloo group where one is needed)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import sdc_telemetry as sdc
+
+OFF = {"metrics_port": None, "nvml": False}
+
+
+def _loss(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+    return m(b).sum()
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_model_must_be_ddp() -> None:
+    """A plain module is refused with a message saying to wrap it."""
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        sdc.SDCMonitor(model, torch.optim.SGD(model.parameters(), lr=0.1))  # type: ignore[arg-type]
+
+
+def test_needs_an_initialised_process_group(tmp_path: Path) -> None:
+    """Without init_process_group the error says to call it."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 's'}", rank=0, world_size=1)
+    ddp = DistributedDataParallel(nn.Linear(2, 2))
+    dist.destroy_process_group()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        sdc.SDCMonitor(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1))
+
+
+def test_world_of_one_disables_comparisons_with_a_warning(one_rank: None, caplog: pytest.LogCaptureFixture) -> None:
+    """One rank: weight and replay checks off (warned), gradient checks still catch a NaN."""
+    ddp = DistributedDataParallel(nn.Linear(4, 2))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="sdc_telemetry"):
+        mon = sdc.SDCMonitor(ddp, opt, loss_fn=_loss, config=sdc.SDCConfig(replay_every=5, **OFF))
+    assert "one rank" in caplog.text
+    x = torch.ones(3, 4)
+    with mon.step(x) as step:
+        step.backward(ddp(x).sum() * float("nan"))
+    opt.step()
+    assert [i.check for i in mon.incidents] == ["grad_local"]
+    assert mon.verify_weights() is None
+    mon.close()
+    mon.close()  # a second close is harmless
+
+
+def test_replay_without_loss_fn_is_refused(one_rank: None) -> None:
+    """replay_every > 0 needs loss_fn: the error says so at construction."""
+    ddp = DistributedDataParallel(nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="loss_fn"):
+        sdc.SDCMonitor(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), config=sdc.SDCConfig(replay_every=10, **OFF))
+
+
+def test_backward_outside_step_and_bad_loss(one_rank: None) -> None:
+    """step.backward() after the with-block, or with a non-scalar loss, raises a clear error."""
+    ddp = DistributedDataParallel(nn.Linear(4, 2))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    mon = sdc.SDCMonitor(ddp, opt, config=sdc.SDCConfig(replay_every=0, **OFF))
+    x = torch.ones(3, 4)
+    with mon.step(x) as step:
+        with pytest.raises(ValueError, match="scalar"):
+            step.backward(ddp(x))
+        step.backward(ddp(x).sum())
+    with pytest.raises(RuntimeError, match="outside"):
+        step.backward(ddp(x).sum())
+    mon.close()
+
+
+def test_existing_comm_hook_gets_a_how_to(one_rank: None) -> None:
+    """A model that already has a comm hook: the error says to pass it as comm_hook=."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp = DistributedDataParallel(nn.Linear(4, 2))
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    with pytest.raises(ValueError, match="comm_hook="):
+        sdc.SDCMonitor(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), config=sdc.SDCConfig(replay_every=0, **OFF))
+
+
+def test_config_must_be_sdcconfig(one_rank: None) -> None:
+    """A dict instead of SDCConfig is refused."""
+    ddp = DistributedDataParallel(nn.Linear(4, 2))
+    with pytest.raises(TypeError, match="SDCConfig"):
+        sdc.SDCMonitor(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), config={"replay_every": 0})  # type: ignore[arg-type]
