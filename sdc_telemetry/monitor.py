@@ -356,11 +356,16 @@ class SDCMonitor:
 
     def _respond(self, findings: list[Finding], step: int) -> list[Incident]:
         incidents = []
+        gpu = self._gpu_snapshots(findings) if findings else {}
         for f in findings:
             suspects = tuple(self.identities.get(r, RankIdentity(r, -1, "unknown", "unknown"))
                              for r in f.suspect_ranks)
+            evidence = dict(f.evidence)
+            counters = {str(r): gpu[r] for r in f.suspect_ranks if gpu.get(r)}
+            if counters:
+                evidence["gpu_counters"] = counters
             incident = Incident(step=step, check=f.check, suspect_ranks=f.suspect_ranks, suspects=suspects,
-                                evidence=f.evidence)
+                                evidence=evidence)
             incidents.append(incident)
             self.incidents.append(incident)
             if self._writer:
@@ -371,6 +376,14 @@ class SDCMonitor:
         if incidents and self.config.on_suspect == "raise":
             raise SDCDetected(incidents[0])
         return incidents
+
+    def _gpu_snapshots(self, findings: list[Finding]) -> dict[int, Any]:
+        """The suspects' GPU counters, gathered so that every rank's incident carries the same evidence.
+
+        Collective, like the findings themselves: every rank reaches here with the same findings."""
+        suspected = {r for f in findings for r in f.suspect_ranks}
+        mine = self._guard("telemetry", self._observer.gpu_snapshot) if self.rank in suspected else None
+        return {self._ranks[i]: s for i, s in enumerate(gather_objects(mine, self._group)) if s}
 
     # -- plumbing ------------------------------------------------------------------------------------------------
 
