@@ -1,0 +1,103 @@
+"""The benchmarks run end to end in their ``--quick`` configuration and write results of the documented shape.
+
+Shape only: performance figures are printed by the benchmarks, never asserted here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], ModuleType]:
+    """Import a benchmark script as a module (spawned ranks import it by the same name through sys.path)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+
+    def load(name: str) -> ModuleType:
+        return importlib.import_module(name)
+
+    return load
+
+
+def _result(tmp_path: Path, name: str) -> dict:
+    path = tmp_path / f"{name}.json"
+    assert path.is_file(), f"{name}.json was not written"
+    data = json.loads(path.read_text())
+    assert data["benchmark"] == name
+    assert {"torch", "cpus", "time"} <= set(data["environment"])
+    return data
+
+
+def test_fingerprint_quick_writes_bandwidth_table(bench, tmp_path, capsys):
+    """fingerprint.py --quick prints both tables and the two target lines, and writes GB/s for every method."""
+    bench("fingerprint").main(["--quick", "--out-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "fingerprint GB/s" in out and "Parameter list" in out
+    assert out.count("target:") == 2
+    data = _result(tmp_path, "fingerprint")
+    methods = {"fingerprint", "torch.sum", "hash_tensor", "sha1_cpu_copy"}
+    assert {r["dtype"] for r in data["tensors"]} == {"fp32", "bf16", "fp16"}
+    for row in data["tensors"] + data["parameter_list"]:
+        assert set(row["gbps"]) == methods
+        assert row["ratio_to_sum"] > 0
+    assert {r["dtype"] for r in data["parameter_list"]} == {"fp32", "bf16"}
+    assert {"large_tensor_met", "list_met", "large_tensor_ratio_min", "list_ratio_min"} <= set(data["targets"])
+
+
+def test_overhead_quick_reports_every_configuration(bench, tmp_path, capsys):
+    """overhead.py --quick runs every configuration interleaved on 2 ranks and reports ratios with their spread."""
+    bench("overhead").main(["--quick", "--out-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "ratio to baseline" in out and "Replay cost" in out
+    data = _result(tmp_path, "overhead")
+    labels = ["no monitor", "grad checks", "grad + weights/1", "grad + weights/1 + replay/4",
+              "grad + weights/1 + replay/2"]
+    assert list(data["configs"]) == labels
+    assert len(data["rounds"]) == data["spec"]["rounds"] == 2
+    for rnd in data["rounds"]:
+        assert set(rnd) == set(labels)
+        assert all(len(rnd[c]["step_s"]) == data["spec"]["steps"] for c in labels)
+    for c in data["configs"].values():
+        assert c["ratio_q1"] <= c["ratio_median"] <= c["ratio_q3"]
+    assert data["configs"]["no monitor"]["ratio_median"] == pytest.approx(1.0)
+    assert set(data["replay"]) == {"4", "2"}
+    assert {"weights_met", "replay_met", "weights_ratio"} <= set(data["targets"])
+
+
+def test_campaign_quick_scores_every_fault_kind(bench, tmp_path, capsys):
+    """campaign.py --quick injects one fault of each kind plus a healthy run and scores them without harness errors."""
+    campaign = bench("campaign")
+    campaign.main(["--quick", "--out-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "Fault-injection campaign" in out and "False incidents" in out
+    data = _result(tmp_path, "campaign")
+    assert data["errors"] == []
+    assert {t["kind"] for t in data["plan"]} == set(campaign.KINDS)
+    faulty = sum(1 for t in data["plan"] if t["kind"] != "healthy")
+    assert sum(r["injected"] for r in data["rows"]) == faulty
+    for r in data["rows"]:
+        assert set(r["by_check"]) == set(campaign.CHECKS)
+        assert 0 <= r["detected"] <= r["injected"]
+        assert r["right"] + r["ambiguous"] <= r["detected"]
+    assert data["healthy_rank_steps"] > 0
+    assert set(data["false_incidents_per_1000_rank_steps"]) == set(campaign.CHECKS)
+
+
+def test_campaign_plan_is_seeded_and_stratified(bench):
+    """The same seed gives the same campaign, and every fault kind is drawn equally often."""
+    campaign = bench("campaign")
+    a = campaign.plan(24, seed=3, world=3, steps=10)
+    assert a == campaign.plan(24, seed=3, world=3, steps=10)
+    assert a != campaign.plan(24, seed=4, world=3, steps=10)
+    kinds = [t["kind"] for t in a]
+    assert all(kinds.count(k) == 4 for k in campaign.KINDS)
+    assert all(t["step"] is None or 0 <= t["step"] <= 6 for t in a)
+
