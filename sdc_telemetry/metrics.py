@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Family", "FAMILIES", "SDC", "GPU", "IDENTITY_LABELS", "family", "CHECK_DURATION_BUCKETS"]
+__all__ = ["Family", "FAMILIES", "SDC", "GPU", "IDENTITY_LABELS", "family", "CHECK_DURATION_BUCKETS", "UNIT_SUFFIX"]
 
 Kind = Literal["counter", "gauge", "histogram"]
 
@@ -22,6 +22,10 @@ CHECK_DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0
                           2.5, 5.0, 10.0)
 
 
+# The suffix the OpenTelemetry Prometheus exporter appends for each UCUM unit ("1" adds none).
+UNIT_SUFFIX = {"1": "", "s": "seconds", "W": "watts", "Cel": "celsius", "By": "bytes", "Hz": "hertz"}
+
+
 @dataclass(frozen=True)
 class Family:
     name: str            # Prometheus family name as scraped (counters without the _total suffix stripped)
@@ -30,6 +34,20 @@ class Family:
     description: str
     labels: tuple[str, ...] = ()
     source: Literal["sdc", "gpu"] = "sdc"
+
+    @property
+    def otel_name(self) -> str:
+        """The OpenTelemetry instrument name, derived so that the Prometheus exporter produces ``name``.
+
+        The exporter turns dots into underscores, appends the unit's suffix and, for counters, ``_total``:
+        ``hw.gpu.memory.usage`` (``By``) is scraped as ``hw_gpu_memory_usage_bytes``, ``sdc.steps`` (counter) as
+        ``sdc_steps_total``.
+        """
+        base = self.name.removesuffix("_total") if self.kind == "counter" else self.name
+        suffix = UNIT_SUFFIX[self.unit]
+        if suffix:
+            base = base.removesuffix("_" + suffix)
+        return base.replace("_", ".")
 
 
 SDC: tuple[Family, ...] = (
