@@ -38,5 +38,8 @@ dashboards: setup
 alerts: setup
 	$(VENV)/bin/sdc-telemetry alerts
 
+gpu-check: setup
+	bash scripts/gpu_check.sh
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

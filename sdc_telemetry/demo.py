@@ -19,7 +19,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .config import SDCConfig
 from .faults import FaultInjector
+from .identity import RankIdentity
 from .monitor import SDCMonitor
+from .nvml import FakeNVML
 from .response import SDCDetected
 
 __all__ = ["DemoPlan", "run_rank", "expected", "FAULTS", "DemoModel", "demo_loss"]
@@ -107,6 +109,8 @@ def run_rank(rank: int, world: int, plan: DemoPlan, telemetry: dict[str, Any] | 
     config = SDCConfig(weights_every=1, replay_every=plan.replay_every, on_suspect=plan.on_suspect,  # type: ignore[arg-type]
                        metrics_port=plan.metrics_port, metrics_host=plan.metrics_host, nvml=True,
                        incident_dir=plan.incident_dir, job_name="sdc-demo")
+    if telemetry is None and not torch.cuda.is_available():  # label the CPU demo's GPU counters as simulated
+        telemetry = {"nvml": FakeNVML.for_demo(RankIdentity.local().hw_id)}
     monitor = SDCMonitor(model, opt, loss_fn=demo_loss, config=config, comm_hook=faults.comm_hook,
                          **(telemetry or {}))
     gen = torch.Generator().manual_seed(1000 + rank)

@@ -411,6 +411,8 @@ class SDCMonitor:
         try:
             from .telemetry import Telemetry
         except ImportError:
+            log.warning("sdc_telemetry: OpenTelemetry is not importable; checks go on without metrics",
+                        exc_info=True)
             return Observer()
         try:
             telemetry: Observer = Telemetry(self.config, self.identity, **deps)
