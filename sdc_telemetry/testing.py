@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -36,6 +37,7 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, init_file: str, env: d
     os.environ.update(env)
     os.environ.setdefault("LOCAL_RANK", str(rank))
     torch.set_num_threads(1)
+    code = 0
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         try:
@@ -45,7 +47,15 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, init_file: str, env: d
         finally:
             dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - reported to the parent with the traceback
+        code = 1
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    # Flush the result, then skip interpreter teardown: gloo's C++ threads can abort a process that is already
+    # done ("terminate called without an active exception") after the process group was destroyed.
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def spawn_ranks(fn: Callable[..., Any], world: int, args: tuple[Any, ...] = (), *, timeout: float = 120.0,
