@@ -1,0 +1,164 @@
+"""The generated Grafana dashboards: checked in, built from the metric table, wired to each other."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sdc_telemetry import dashboards
+from sdc_telemetry.metrics import FAMILIES, GPU, IDENTITY_LABELS, SDC
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARDS = ROOT / "dashboards"
+
+
+def _load(uid: str) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads((DASHBOARDS / dashboards.FILES[uid]).read_text())
+    return doc
+
+
+def _panels(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [p for p in doc["panels"] if p["type"] != "row"]
+
+
+def _exprs(doc: dict[str, Any]) -> str:
+    return "\n".join(t["expr"] for p in _panels(doc) for t in p["targets"])
+
+
+def test_regenerating_gives_the_checked_in_files(tmp_path: Path) -> None:
+    """dashboards/ holds exactly what generate() writes, byte for byte."""
+    paths = dashboards.generate(tmp_path)
+    assert sorted(p.name for p in paths) == sorted(p.name for p in DASHBOARDS.iterdir())
+    for p in paths:
+        assert p.read_bytes() == (DASHBOARDS / p.name).read_bytes(), \
+            f"dashboards/{p.name} is stale: run sdc-telemetry dashboards"
+
+
+def test_generation_is_deterministic() -> None:
+    """Two generations give identical JSON (fixed uids and panel ids)."""
+    first = [dashboards.dashboard_json(d) for d in dashboards.dashboards().values()]
+    assert first == [dashboards.dashboard_json(d) for d in dashboards.dashboards().values()]
+
+
+def test_titles_uids_and_variables() -> None:
+    """SDC overview has datasource, job, host and rank variables; GPU health has datasource, job, host and gpu."""
+    overview, gpu = _load(dashboards.OVERVIEW_UID), _load(dashboards.GPU_UID)
+    assert (overview["title"], overview["uid"]) == ("SDC overview", "sdc-overview")
+    assert (gpu["title"], gpu["uid"]) == ("GPU health", "sdc-gpu-health")
+    variables = {v["name"]: v for v in overview["templating"]["list"]}
+    assert list(variables)[:4] == ["datasource", "job", "host", "rank"]
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert "service_name" in variables["job"]["query"]
+    assert [v["name"] for v in gpu["templating"]["list"]] == ["datasource", "job", "host", "gpu"]
+
+
+def test_every_query_uses_the_datasource_variable() -> None:
+    """Panels and targets read from ${datasource}, so the dashboards work with any Prometheus."""
+    for uid in dashboards.FILES:
+        for p in _panels(_load(uid)):
+            assert p["datasource"] == dashboards.DS, p["title"]
+            assert p["targets"] and all(t["datasource"] == dashboards.DS for t in p["targets"]), p["title"]
+
+
+def test_layout_fits_the_grid_without_overlaps() -> None:
+    """Every panel lies inside 24 columns and no two panels overlap."""
+    for uid in dashboards.FILES:
+        cells: dict[tuple[int, int], str] = {}
+        for p in _load(uid)["panels"]:
+            g = p["gridPos"]
+            assert g["x"] + g["w"] <= 24, p["title"]
+            for x in range(g["x"], g["x"] + g["w"]):
+                for y in range(g["y"], g["y"] + g["h"]):
+                    assert (x, y) not in cells, (p["title"], cells.get((x, y)))
+                    cells[(x, y)] = p["title"]
+
+
+def test_metric_names_come_from_the_table_and_every_family_is_shown() -> None:
+    """Each metric a query reads is a table family (histograms with their suffixes); every family has a panel."""
+    names = {f.name for f in FAMILIES}
+    histograms = {f.name for f in FAMILIES if f.kind == "histogram"}
+    labels = set(IDENTITY_LABELS) | {label for f in FAMILIES for label in f.labels}
+    used: set[str] = set()
+    for uid in dashboards.FILES:
+        for word in set(re.findall(r"\b((?:sdc|hw|gpu)_[a-z_]+)\b", _exprs(_load(uid)))) - labels:
+            base = re.sub(r"_(bucket|sum|count)$", "", word) if word not in names else word
+            assert word in names or base in histograms, word
+            used.add(base)
+    assert used == names
+
+
+def test_top_row_reads_in_two_seconds() -> None:
+    """The overview opens with stat panels: open incidents, current suspects, checks stalled, ranks reporting."""
+    top = [p for p in _load(dashboards.OVERVIEW_UID)["panels"] if p["gridPos"]["y"] == 1]
+    titles = [p["title"] for p in top]
+    assert titles[:4] == ["Open incidents", "Current suspects", "Checks stalled", "Ranks reporting"]
+    assert all(p["type"] == "stat" for p in top)
+
+
+def test_suspects_table_links_to_the_gpu_view() -> None:
+    """The suspects table shows host, rank, GPU UUID, check and since when, and links to GPU health for the row."""
+    table = next(p for p in _panels(_load(dashboards.OVERVIEW_UID)) if p["title"].startswith("Suspects"))
+    assert table["type"] == "table"
+    shown = {o["matcher"]["options"]: o["properties"][0]["value"] for o in table["fieldConfig"]["overrides"]}
+    assert {shown[k] for k in ("host_name", "rank", "hw_id", "check", "Value")} == \
+        {"Host", "Rank", "GPU UUID", "Check", "Suspect since"}
+    url = table["fieldConfig"]["defaults"]["links"][0]["url"]
+    assert url.startswith(f"/d/{dashboards.GPU_UID}/")
+    assert "var-host=${__data.fields.host_name}" in url and "var-gpu=${__data.fields.hw_id}" in url
+
+
+def test_replay_panels_use_a_log_scale_and_draw_the_tolerance() -> None:
+    """Replay delta panels are per origin rank, on a log axis, with the tolerance series."""
+    panels = [p for p in _panels(_load(dashboards.OVERVIEW_UID)) if p["title"].startswith("Replay") and "delta"
+              in p["title"]]
+    assert len(panels) == 2
+    for p in panels:
+        assert p["fieldConfig"]["defaults"]["custom"]["scaleDistribution"] == {"type": "log", "log": 10}
+        assert any("origin_rank" in t["expr"] for t in p["targets"])
+        assert any(t["legendFormat"] == "tolerance" and "$tolerance" in t["expr"] for t in p["targets"])
+
+
+def test_gpu_dashboard_shows_every_nvml_family_and_joins_on_host_and_gpu() -> None:
+    """GPU health has a panel per GPU family and joins SDC series on (host_name, hw_id)."""
+    gpu = _load(dashboards.GPU_UID)
+    exprs = _exprs(gpu)
+    for f in GPU:
+        assert f.name in exprs, f.name
+    assert "on (host_name, hw_id)" in exprs
+    assert any(p["title"].startswith("Suspect GPUs") for p in _panels(gpu))
+
+
+def test_gradient_and_weight_panels_are_per_rank() -> None:
+    """Gradient health is per rank and phase; weight agreement is per rank over time."""
+    panels = {p["title"]: p for p in _panels(_load(dashboards.OVERVIEW_UID))}
+    for title in ("Gradient norm per rank and phase", "Non-finite gradient steps per rank and phase"):
+        assert "by (host_name, rank, phase)" in panels[title]["targets"][0]["expr"]
+    agreement = panels["Weight-fingerprint agreement per rank"]
+    assert agreement["type"] == "state-timeline" and "by (host_name, rank)" in agreement["targets"][0]["expr"]
+
+
+def test_panel_queries_substitute_every_variable() -> None:
+    """panel_queries() returns every target with $job, $host, $rank, $gpu and Grafana's intervals filled in."""
+    queries = dashboards.panel_queries(job="llm", host="node-b", rank="2", gpu="GPU-1")
+    total = sum(len(p["targets"]) for uid in dashboards.FILES for p in _panels(_load(uid)))
+    assert len(queries) == total
+    assert all("$" not in q.expr for q in queries)
+    assert any('rank=~"2"' in q.expr for q in queries) and any('hw_id=~"GPU-1"' in q.expr for q in queries)
+
+
+def test_panel_queries_refuse_an_unknown_variable() -> None:
+    """A variable panel_queries() does not know is an error, not a silently broken query."""
+    doc = {"title": "x", "panels": [{"title": "p", "targets": [{"refId": "A", "expr": "up{a=~\"$nope\"}"}]}]}
+    with pytest.raises(ValueError, match="unsubstituted"):
+        dashboards.panel_queries(docs=[doc])
+
+
+def test_sdc_families_cover_the_table() -> None:
+    """The SDC part of the table is what the overview dashboard reads (nothing exported goes unseen)."""
+    exprs = _exprs(_load(dashboards.OVERVIEW_UID))
+    for f in SDC:
+        assert f.name in exprs, f.name

@@ -1,0 +1,156 @@
+"""docker-compose.yml and deploy/: structure checks (Docker itself only where it runs), promtool on the config."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+
+from sdc_telemetry import alerts, dashboards
+from sdc_telemetry.stack import prometheus_config
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+DEPLOY = ROOT / "deploy"
+
+
+def _compose() -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
+    return doc
+
+
+def _module(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, DEPLOY / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _mounts(service: dict[str, Any]) -> dict[str, str]:
+    """container path -> host path (relative to the repository)."""
+    out = {}
+    for v in service.get("volumes", []):
+        host, container = v.split(":")[:2]
+        out[container] = host
+    return out
+
+
+def test_compose_has_the_stack_services() -> None:
+    """Prometheus, Alertmanager, Grafana, the demo trainer and the webhook sink are services."""
+    services = _compose()["services"]
+    assert set(services) >= {"prometheus", "alertmanager", "grafana", "trainer", "webhook-sink"}
+    build = services["trainer"]["build"]
+    assert (ROOT / build["context"] / build["dockerfile"]).is_file()
+
+
+def test_compose_mounts_exist_and_wire_the_configs() -> None:
+    """Every bind mount exists; Prometheus gets deploy/prometheus.yml and alerts/, Alertmanager alerts/alertmanager.yml,
+    Grafana the provisioning and dashboards/."""
+    services = _compose()["services"]
+    for name, svc in services.items():
+        for container, host in _mounts(svc).items():
+            assert (ROOT / host).exists(), (name, host, container)
+    prom = _mounts(services["prometheus"])
+    assert prom["/etc/prometheus/prometheus.yml"] == "./deploy/prometheus.yml"
+    assert prom["/etc/prometheus/rules"] == "./alerts"
+    assert _mounts(services["alertmanager"])["/etc/alertmanager/alertmanager.yml"] == "./alerts/alertmanager.yml"
+    graf = _mounts(services["grafana"])
+    assert graf["/etc/grafana/provisioning"] == "./deploy/grafana/provisioning"
+    assert graf["/var/lib/grafana/dashboards"] == "./dashboards"
+
+
+def test_prometheus_config_scrapes_the_trainer_as_job_sdc_and_loads_the_rules() -> None:
+    """deploy/prometheus.yml: job sdc on the trainer's four rank ports, the rules file, the Alertmanager."""
+    doc = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in doc["scrape_configs"]}
+    assert jobs["sdc"]["static_configs"][0]["targets"] == [f"trainer:{9860 + r}" for r in range(4)]
+    assert doc["rule_files"] == [f"/etc/prometheus/rules/{alerts.RULES_FILE}"]
+    assert doc["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["alertmanager:9093"]
+    assert set(doc) == set(prometheus_config([], [], []))  # the shape LocalStack uses
+
+
+def test_promtool_check_config(tmp_path: Path) -> None:
+    """promtool accepts deploy/prometheus.yml with the rules path pointed at alerts/."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("promtool is not on PATH (CI=true: a missing binary is a failure)")
+        pytest.skip("promtool is not on PATH")
+    doc = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    doc["rule_files"] = [str(ROOT / "alerts" / alerts.RULES_FILE)]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(doc))
+    out = subprocess.run([promtool, "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_alertmanager_webhooks_reach_the_sink_service() -> None:
+    """The checked-in Alertmanager config posts to the compose webhook-sink service on the port it listens on."""
+    sink = _compose()["services"]["webhook-sink"]
+    port = sink["command"][sink["command"].index("--port") + 1]
+    doc = yaml.safe_load((ROOT / "alerts" / alerts.ALERTMANAGER_FILE).read_text())
+    for r in doc["receivers"]:
+        assert r["webhook_configs"][0]["url"].startswith(f"http://webhook-sink:{port}/")
+
+
+def test_grafana_provisioning_points_at_prometheus_and_the_dashboards() -> None:
+    """The datasource is the compose Prometheus; the dashboard provider reads the mounted dashboards/."""
+    prov = DEPLOY / "grafana" / "provisioning"
+    ds = yaml.safe_load((prov / "datasources" / "prometheus.yml").read_text())["datasources"][0]
+    assert (ds["type"], ds["url"]) == ("prometheus", "http://prometheus:9090")
+    provider = yaml.safe_load((prov / "dashboards" / "sdc.yml").read_text())["providers"][0]
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
+    home = _compose()["services"]["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home.endswith(dashboards.FILES[dashboards.OVERVIEW_UID])
+
+
+def test_demo_trainer_runs_four_ranks_with_torchrun_and_a_late_fault() -> None:
+    """The trainer image runs torchrun with 4 processes; its plan injects a fault minutes in and keeps serving."""
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert "torchrun" in dockerfile and "--nproc-per-node=4" in dockerfile and "download.pytorch.org/whl/cpu" \
+        in dockerfile
+    plan = _module("demo_trainer").plan_from_env({})
+    assert plan.fault == "weight-bitflip" and plan.on_suspect == "record"
+    assert plan.fault_step * plan.step_delay >= 120, "the fault should come after a few minutes"
+    assert plan.steps > plan.fault_step and plan.serve_after > 0
+
+
+def test_webhook_sink_prints_a_line_per_alert() -> None:
+    """The sink's log line names alert, status, severity, host, rank and GPU."""
+    sink = _module("webhook_sink")
+    lines = sink.describe("/pager", {"alerts": [{"status": "firing", "labels": {
+        "alertname": "SDCWeightFingerprintMismatch", "severity": "critical", "host_name": "gpu-node-7", "rank": "2",
+        "hw_id": "GPU-1", "service_name": "sdc-demo"}, "annotations": {"summary": "weights differ"}}]})
+    assert lines == ["[pager] FIRING SDCWeightFingerprintMismatch severity=critical host=gpu-node-7 rank=2 gpu=GPU-1 "
+                     "job=sdc-demo: weights differ"]
+
+
+def _compose_cli() -> list[str] | None:
+    docker = shutil.which("docker")
+    if docker:
+        try:
+            if subprocess.run([docker, "compose", "version"], capture_output=True, timeout=30).returncode == 0:
+                return [docker, "compose"]
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    legacy = shutil.which("docker-compose")
+    return [legacy] if legacy else None
+
+
+def test_docker_compose_config_validates() -> None:
+    """`docker compose config` accepts the file (only where Docker Compose is installed)."""
+    cli = _compose_cli()
+    if cli is None:
+        pytest.skip("neither `docker compose` nor docker-compose is installed")
+    out = subprocess.run([*cli, "-f", str(COMPOSE), "config", "--quiet"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -1,0 +1,41 @@
+"""LocalStack without real binaries: failures are loud and leave nothing running."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from sdc_telemetry.stack import LocalStack, StackError, prometheus_config
+
+
+def test_failed_start_raises_and_leaves_nothing_running(tmp_path: Path) -> None:
+    """A binary that exits at once makes start() raise StackError naming it; the webhook thread is stopped."""
+    false = shutil.which("false")
+    if false is None:
+        pytest.skip("no `false` binary")
+    before = {t.name for t in threading.enumerate()}
+    stack = LocalStack(workdir=tmp_path, prometheus_bin=false, alertmanager_bin=false)
+    with pytest.raises(StackError, match="alertmanager exited"):
+        stack.start()
+    assert not stack.running
+    assert {t.name for t in threading.enumerate()} <= before
+    stack.stop()  # a second stop is harmless
+
+
+def test_missing_binaries_are_reported_before_anything_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without binaries, available() is False and start() says what to install."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert LocalStack.available() is False
+    with pytest.raises(StackError, match="prometheus and alertmanager binaries"):
+        LocalStack(workdir=tmp_path).start()
+
+
+def test_prometheus_config_names_the_scrape_job_sdc() -> None:
+    """The generated config scrapes the targets as job sdc, loads the rules and alerts the Alertmanager."""
+    doc = prometheus_config(["127.0.0.1:9860"], ["/r.yml"], ["127.0.0.1:9093"], scrape_interval="1s")
+    assert doc["scrape_configs"] == [{"job_name": "sdc", "static_configs": [{"targets": ["127.0.0.1:9860"]}]}]
+    assert doc["rule_files"] == ["/r.yml"]
+    assert doc["global"]["scrape_timeout"] == "1s"
