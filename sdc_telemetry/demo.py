@@ -45,6 +45,7 @@ class DemoPlan:
     stop_file: str | None = None
     incident_dir: str | None = None
     progress_every: int = 5
+    scrape_grace_s: float = 60.0  # close() waits this long for Prometheus to scrape an incident (0 without one)
     seed: int = 0
 
 
@@ -109,10 +110,11 @@ def run_rank(rank: int, world: int, plan: DemoPlan, telemetry: dict[str, Any] | 
     config = SDCConfig(weights_every=1, replay_every=plan.replay_every, on_suspect=plan.on_suspect,  # type: ignore[arg-type]
                        metrics_port=plan.metrics_port, metrics_host=plan.metrics_host, nvml=True,
                        incident_dir=plan.incident_dir, job_name="sdc-demo")
-    if telemetry is None and not torch.cuda.is_available():  # label the CPU demo's GPU counters as simulated
-        telemetry = {"nvml": FakeNVML.for_demo(RankIdentity.local().hw_id)}
+    telemetry = {"scrape_grace_s": plan.scrape_grace_s, **(telemetry or {})}
+    if "nvml" not in telemetry and not torch.cuda.is_available():  # the CPU demo's GPU counters are simulated
+        telemetry["nvml"] = FakeNVML.for_demo(RankIdentity.local().hw_id)
     monitor = SDCMonitor(model, opt, loss_fn=demo_loss, config=config, comm_hook=faults.comm_hook,
-                         **(telemetry or {}))
+                         **telemetry)
     gen = torch.Generator().manual_seed(1000 + rank)
     stopped: int | None = None
     start = time.perf_counter()

@@ -16,6 +16,7 @@ else they are recorded on each point.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import inspect
 import logging
@@ -69,13 +70,16 @@ class Telemetry(Observer):
       CUDA device when ``config.nvml``.
     - ``readers``: extra metric readers on the private provider (``InMemoryMetricReader`` in tests).
     - ``otlp_interval_s`` / ``otlp_timeout_s``: push period and per-export bound of the OTLP reader.
+    - ``scrape_grace_s``: after an incident, ``close()`` (and, with ``on_suspect="raise"``, interpreter exit) keeps
+      the endpoint up until Prometheus has scraped it once more, at most this long. A rank that stops right after
+      raising would otherwise take its latched ``sdc_suspect`` with it before any scrape saw it, and nobody is paged.
     """
 
     def __init__(self, config: SDCConfig, identity: RankIdentity, *,
                  registry: prometheus_client.CollectorRegistry | None = None,
                  meter_provider: MeterProvider | None = None, nvml: _nvml.NVMLDevice | None = None,
                  readers: Sequence[MetricReader] = (), otlp_interval_s: float = 15.0,
-                 otlp_timeout_s: float = 5.0) -> None:
+                 otlp_timeout_s: float = 5.0, scrape_grace_s: float = 60.0) -> None:
         if meter_provider is not None and readers:
             raise ValueError("Telemetry: pass readers= only without meter_provider= (add them to your provider)")
         self.config = config
@@ -91,6 +95,11 @@ class Telemetry(Observer):
         self._gpu: GPUCollector | None = None
         self._seen: set[tuple[str, str]] = set()
         self._i: dict[str, Any] = {}
+        self._scrape_grace_s = scrape_grace_s
+        self._last_scrape = 0.0
+        self._incident_at: float | None = None
+        self._exit_hook = False
+        self.registry.register(_ScrapeClock(self))
         labels_from_resource = False
         if meter_provider is None:
             prom, labels_from_resource = self._prometheus_reader()
@@ -149,6 +158,10 @@ class Telemetry(Observer):
         self._i["sdc_incidents_total"].add(1, self._a(check=incident.check))
         if is_suspect:  # latched: nothing ever sets it back to 0
             self._i["sdc_suspect"].set(1, self._a(check=incident.check))
+        self._incident_at = time.monotonic()
+        if self.config.on_suspect == "raise" and self._server is not None and not self._exit_hook:
+            self._exit_hook = True  # the exception may end the process without close(): still let one scrape in
+            atexit.register(self._await_scrape)
 
     def internal_error(self, component: str) -> None:
         self._i["sdc_internal_errors_total"].add(1, self._a(component=component))
@@ -166,6 +179,7 @@ class Telemetry(Observer):
         if self._closed:
             log.warning("sdc_telemetry: telemetry already closed")
             return
+        self._await_scrape()
         self._closed = True
         steps: list[tuple[str, Callable[[], object]]] = [("endpoint", self._stop_server)]
         if self._gpu is not None:
@@ -249,6 +263,18 @@ class Telemetry(Observer):
         self.port = int(self._server.server_port)
         log.info("sdc_telemetry: rank %d serves metrics on http://%s:%d/metrics", self.identity.rank, host, self.port)
 
+    def _await_scrape(self) -> None:
+        """Keep serving until the registry was collected after the last incident, at most ``scrape_grace_s``."""
+        if self._closed or self._server is None or self._incident_at is None:
+            return
+        deadline = time.monotonic() + self._scrape_grace_s
+        if self._last_scrape >= self._incident_at:
+            return
+        log.warning("sdc_telemetry: rank %d keeps http://%s:%s/metrics up until Prometheus scrapes the incident "
+                    "(at most %.0fs)", self.identity.rank, self.config.metrics_host, self.port, self._scrape_grace_s)
+        while self._last_scrape < self._incident_at and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def _stop_server(self) -> None:
         if self._server is not None:
             self._server.shutdown()
@@ -270,6 +296,20 @@ class Telemetry(Observer):
         if device.source != "nvml":
             log.warning("sdc_telemetry: GPU counters of %s come from %s", device.uuid, device.source)
         self._gpu = GPUCollector(device, meter, self._attrs, self.internal_error)
+
+
+class _ScrapeClock:
+    """A collector with no metrics: registered in the served registry, it notes when a scrape happened."""
+
+    def __init__(self, owner: Telemetry) -> None:
+        self._owner = owner
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> list[Any]:
+        self._owner._last_scrape = time.monotonic()
+        return []
 
 
 def _instrument(meter: Meter, f: Family) -> Any:

@@ -385,3 +385,34 @@ def test_unknown_dependency_is_a_type_error() -> None:
     """A misspelt keyword (registy=) is a TypeError, which the monitor logs."""
     with pytest.raises(TypeError):
         Telemetry(cfg(), IDENT, registy=None)  # type: ignore[call-arg]
+
+
+def test_close_after_an_incident_waits_for_one_scrape(make: Any) -> None:
+    """An incident not yet scraped keeps the endpoint up in close() until Prometheus has read it."""
+    t = make(cfg(metrics_port=free_port(), on_suspect="raise"), scrape_grace_s=30)
+    inc = Incident(step=1, check="weights", suspect_ranks=(3,), suspects=(IDENT,), evidence={})
+    t.incident(inc, is_suspect=True)
+    closer = threading.Thread(target=t.close)
+    closer.start()
+    time.sleep(0.3)
+    assert closer.is_alive()  # still serving: nobody has scraped the incident yet
+    assert value(scrape(t.port), "sdc_suspect", check="weights") == 1
+    closer.join(timeout=10)
+    assert not closer.is_alive()
+
+
+def test_close_does_not_wait_without_an_unscraped_incident(make: Any) -> None:
+    """No incident, or one already scraped: close() returns at once; the wait is bounded by scrape_grace_s."""
+    t = make(cfg(metrics_port=free_port()), scrape_grace_s=30)
+    t.incident(Incident(step=1, check="weights", suspect_ranks=(3,), suspects=(IDENT,), evidence={}), True)
+    scrape(t.port)
+    closer = threading.Thread(target=t.close)
+    closer.start()
+    closer.join(timeout=5)
+    assert not closer.is_alive()
+    bounded = make(cfg(metrics_port=free_port()), scrape_grace_s=0.2)
+    bounded.incident(Incident(step=1, check="replay", suspect_ranks=(3,), suspects=(IDENT,), evidence={}), True)
+    closer = threading.Thread(target=bounded.close)
+    closer.start()
+    closer.join(timeout=5)
+    assert not closer.is_alive()
