@@ -9,9 +9,10 @@ from .checks.replay import check_shippable
 from .config import SDCConfig
 from .fingerprint import fingerprint
 from .identity import RankIdentity
-from .monitor import SDCMonitor, StepContext
+from .monitor import SDCMonitor
 from .observer import Observer
 from .response import Incident, SDCDetected
+from .step import StepContext
 
 __all__ = [
     "Incident",

@@ -17,70 +17,18 @@ from ._collective import gather_objects, gather_rows, group_ranks
 from .checks import Finding
 from .checks import grad as grad_check
 from .checks import weights as weights_check
-from .checks.replay import ReplayCheck, scaled
+from .checks.replay import ReplayCheck
 from .config import SDCConfig
 from .identity import RankIdentity
 from .observer import Observer
 from .response import Incident, IncidentLog, SDCDetected
+from .step import NO_BATCH, StepContext
 
-__all__ = ["SDCMonitor", "StepContext"]
+__all__ = ["SDCMonitor"]
 
 log = logging.getLogger("sdc_telemetry")
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
-_NO_BATCH = object()
-
-
-class StepContext:
-    """One optimizer step, opened by ``monitor.step(batch)``.
-
-    ``backward(loss)`` runs ``loss.backward()`` and records the loss. With gradient accumulation, open the step with
-    no batch and register each micro-batch before its forward pass::
-
-        with monitor.step() as step:
-            for i, mb in enumerate(micro_batches):
-                step.micro_batch(mb)                      # captures RNG state and the micro-batch
-                sync = i == len(micro_batches) - 1
-                with (nullcontext() if sync else ddp_model.no_sync()):
-                    step.backward(compute_loss(ddp_model, mb), scale=1 / len(micro_batches))
-        optimizer.step()
-
-    ``scale`` multiplies the loss before backward (the monitor applies it, so that replay applies it identically).
-    """
-
-    def __init__(self, monitor: SDCMonitor, batch: Any) -> None:
-        self._monitor = monitor
-        self._batch = batch
-        self._active = False
-        self.index = -1
-
-    def __enter__(self) -> StepContext:
-        self.index = self._monitor._open_step()
-        self._active = True
-        if self._batch is not _NO_BATCH:
-            self.micro_batch(self._batch)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._active = False
-
-    def micro_batch(self, batch: Any) -> None:
-        """Register the next micro-batch of this step (call before its forward pass)."""
-        self._require_active("micro_batch")
-        self._monitor._micro_batch(batch)
-
-    def backward(self, loss: torch.Tensor, *, scale: float = 1.0) -> None:
-        """``(loss * scale).backward()``, recording ``loss`` for the replay check."""
-        self._require_active("backward")
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError(f"step.backward() needs a scalar loss tensor, got {type(loss).__name__}"
-                             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
-        self._monitor._record_loss(loss, scale)
-        scaled(loss, scale).backward()  # type: ignore[no-untyped-call]
-
-    def _require_active(self, what: str) -> None:
-        if not self._active:
-            raise RuntimeError(f"step.{what}() called outside its `with monitor.step(...) as step:` block")
 
 
 class SDCMonitor:
@@ -177,7 +125,7 @@ class SDCMonitor:
 
     # -- public --------------------------------------------------------------------------------------------------
 
-    def step(self, batch: Any = _NO_BATCH) -> StepContext:
+    def step(self, batch: Any = NO_BATCH) -> StepContext:
         """Context for one optimizer step; ``batch`` is its (only) micro-batch, kept for replay on audit steps."""
         if self._closed:
             raise RuntimeError("SDCMonitor is closed")

@@ -15,12 +15,11 @@ Protocol per audit step (all ranks, same collectives):
 
 from __future__ import annotations
 
-import io
 import math
 import struct
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,10 +29,11 @@ from .._collective import collective_device, gather_rows
 from ..fingerprint import fingerprint
 from ..identity import RankIdentity
 from . import Finding
+from .pairing import Outcome, attribute, pick_shifts
+from .shipping import MicroBatch, check_shippable, pack, unpack
 
 __all__ = ["ReplayCheck", "Measurement", "Outcome", "attribute", "pick_shifts", "scaled", "check_shippable"]
 
-_PLAIN = (int, float, bool, str, bytes, complex, type(None))
 _CALIBRATE_EVERY = 10  # audits between noise-floor recalibrations in tolerance="auto"
 _AUTO_FLOOR = 1e-5     # relative tolerance when reruns are bitwise identical
 _AUTO_FACTOR = 10.0    # threshold = factor x the largest same-rank rerun delta seen
@@ -42,40 +42,6 @@ _AUTO_FACTOR = 10.0    # threshold = factor x the largest same-rank rerun delta 
 def scaled(loss: torch.Tensor, scale: float) -> torch.Tensor:
     """The tensor backpropagated for ``loss``; the step and the replay must build it identically."""
     return loss if scale == 1.0 else loss * scale
-
-
-def check_shippable(batch: Any, path: str = "batch") -> None:
-    """Raise ``TypeError`` naming the first leaf that cannot travel to a replaying rank."""
-    if isinstance(batch, torch.Tensor):
-        if batch.layout != torch.strided:
-            raise TypeError(f"replay cannot ship {path}: a {batch.layout} tensor; use dense tensors")
-        return
-    if type(batch) in (list, tuple):
-        for i, item in enumerate(batch):
-            check_shippable(item, f"{path}[{i}]")
-        return
-    if type(batch) is dict:
-        for k, v in batch.items():
-            if not isinstance(k, (str, int)):
-                raise TypeError(f"replay cannot ship {path}: dict key {k!r} of type {type(k).__name__} "
-                                "(keys must be str or int)")
-            check_shippable(v, f"{path}[{k!r}]")
-        return
-    if type(batch) in _PLAIN:
-        return
-    raise TypeError(f"replay cannot ship {path}: leaf of type {type(batch).__module__}.{type(batch).__qualname__}. "
-                    "Batches must nest tensors, lists, tuples and dicts of plain values (int, float, bool, str, "
-                    "bytes, None); convert it in the loop, or set replay_every=0")
-
-
-@dataclass
-class _MicroBatch:
-    batch: Any
-    cpu_rng: torch.Tensor
-    dev_rng: torch.Tensor | None
-    autocast: tuple[bool, torch.dtype] | None
-    scale: float = 1.0
-    loss: torch.Tensor | None = None
 
 
 @dataclass
@@ -95,58 +61,6 @@ class Measurement:
     loss_delta: float
     grad_delta: float
     mismatch: bool
-
-
-@dataclass
-class Outcome:
-    """Gathered outcomes of one audit, by group position: the plain input of ``attribute``."""
-
-    world: int
-    edges: list[tuple[int, int]] = field(default_factory=list)  # (replayer, origin) pairs that mismatched
-    reproduced: dict[int, bool] = field(default_factory=dict)   # origin position -> reran its own batch identically
-
-
-def pick_shifts(hosts: Sequence[str]) -> list[int]:
-    """Shifts s (replayer p audits p + s) in rotation order: those pairing every rank with another host first."""
-    world = len(hosts)
-
-    def crossing(s: int) -> int:
-        return sum(hosts[p] != hosts[(p + s) % world] for p in range(world))
-
-    shifts = list(range(1, world))
-    best = max((crossing(s) for s in shifts), default=0)
-    preferred = [s for s in shifts if crossing(s) == best]
-    return preferred if best > 0 else shifts
-
-
-def attribute(outcome: Outcome) -> tuple[tuple[int, ...], dict[str, Any]]:
-    """Suspect positions and the reasoning, from mismatching pairs and same-rank reruns.
-
-    - A rank that cannot reproduce its own recorded result is the suspect (a transient fault).
-    - Otherwise (persistent): the rank common to every mismatching pair; with 2 replicas, or when no single rank
-      explains every pair, the incident is ambiguous and names the candidates.
-    """
-    not_reproduced = sorted(p for p, ok in outcome.reproduced.items() if not ok)
-    if not_reproduced:
-        return tuple(not_reproduced), {"fault": "transient", "ambiguous": False,
-                                       "reason": "could not reproduce its own recorded result"}
-    if not outcome.edges:
-        return (), {}
-    common = set(outcome.edges[0])
-    for e in outcome.edges[1:]:
-        common &= set(e)
-    if len(common) == 1:
-        return (common.pop(),), {"fault": "persistent", "ambiguous": False,
-                                 "reason": "the only rank common to every mismatching pair"}
-    counts: dict[int, int] = {}
-    for e in outcome.edges:
-        for p in e:
-            counts[p] = counts.get(p, 0) + 1
-    top = max(counts.values())
-    names = tuple(sorted(p for p, c in counts.items() if c == top)) if not common else tuple(sorted(common))
-    reason = ("two replicas disagree and each reproduces itself: no referee" if outcome.world == 2
-              else "no single rank explains every mismatching pair")
-    return names, {"fault": "persistent", "ambiguous": True, "reason": reason}
 
 
 class ReplayCheck:
@@ -174,7 +88,7 @@ class ReplayCheck:
         self._shifts = pick_shifts([identities[r].host_name if r in identities else str(r) for r in self._ranks])
         self._audits = 0
         self._capturing = False
-        self._micro: list[_MicroBatch] = []
+        self._micro: list[MicroBatch] = []
         self.errors: list[int] = []
         self.error_text = ""
 
@@ -194,10 +108,10 @@ class ReplayCheck:
     def capture(self, batch: Any) -> None:
         check_shippable(batch)
         if not self._capturing:
-            self._micro.append(_MicroBatch(None, torch.empty(0), None, None))  # counts micro-batches only
+            self._micro.append(MicroBatch(None, torch.empty(0), None, None))  # counts micro-batches only
             return
         dev_rng = torch.cuda.get_rng_state(self._device) if self._device.type == "cuda" else None
-        self._micro.append(_MicroBatch(batch, torch.get_rng_state(), dev_rng, _autocast_state(self._device)))
+        self._micro.append(MicroBatch(batch, torch.get_rng_state(), dev_rng, _autocast_state(self._device)))
 
     def record_loss(self, loss: torch.Tensor, scale: float) -> None:
         pending = [m for m in self._micro if m.loss is None]
@@ -301,7 +215,7 @@ class ReplayCheck:
         try:
             if record is None:
                 raise RuntimeError("no replay record received from the origin rank")
-            micro: list[_MicroBatch] = record["micro"]
+            micro: list[MicroBatch] = record["micro"]
             if not micro:
                 raise RuntimeError("the origin rank captured no micro-batch for this audit step")
             result = self._recompute(micro)
@@ -325,7 +239,7 @@ class ReplayCheck:
 
     # -- recomputation -------------------------------------------------------------------------------------------
 
-    def _recompute(self, micro: Sequence[_MicroBatch]) -> _Result:
+    def _recompute(self, micro: Sequence[MicroBatch]) -> _Result:
         """Recompute losses and accumulated local gradients without touching .grad, buffers, RNG or DDP state."""
         cpu_rng = torch.get_rng_state()
         dev_rng = torch.cuda.get_rng_state(self._device) if self._device.type == "cuda" else None
@@ -367,7 +281,7 @@ class ReplayCheck:
     def _exchange(self, mine: dict[str, Any], send_to: int, recv_from: int) -> dict[str, Any] | None:
         """Send this rank's record to ``send_to`` and receive ``recv_from``'s (group positions), point-to-point."""
         try:
-            payload = _pack(mine)
+            payload = pack(mine)
         except Exception as e:  # noqa: BLE001 - send an empty payload so the peer does not wait forever
             self.error_text = f"packing the replay record failed: {type(e).__name__}: {e}"
             payload = torch.zeros(0, dtype=torch.uint8)
@@ -379,7 +293,7 @@ class ReplayCheck:
         if data_in.numel() == 0:
             return None
         try:
-            return _unpack(data_in, self._device)
+            return unpack(data_in, self._device)
         except Exception as e:  # noqa: BLE001
             self.error_text = f"unpacking the replay record failed: {type(e).__name__}: {e}"
             return None
@@ -399,29 +313,6 @@ def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype] | None:
     except (RuntimeError, TypeError):
         pass
     return None
-
-
-def _pack(record: dict[str, Any]) -> torch.Tensor:
-    plain = {
-        "fp": record["fp"],
-        "norms": record["norms"],
-        "micro": [{"batch": m.batch, "cpu_rng": m.cpu_rng, "dev_rng": m.dev_rng, "scale": m.scale,
-                   "loss": m.loss, "autocast": None if m.autocast is None else
-                   (m.autocast[0], str(m.autocast[1]).removeprefix("torch."))} for m in record["micro"]],
-    }
-    buf = io.BytesIO()
-    torch.save(plain, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-
-
-def _unpack(data: torch.Tensor, device: torch.device) -> dict[str, Any]:
-    raw = data.cpu().numpy().tobytes()
-    plain = torch.load(io.BytesIO(raw), map_location=device, weights_only=True)
-    micro = [_MicroBatch(batch=m["batch"], cpu_rng=m["cpu_rng"].cpu(), dev_rng=m["dev_rng"],
-                         autocast=None if m["autocast"] is None else (m["autocast"][0],
-                                                                      getattr(torch, m["autocast"][1])),
-                         scale=m["scale"], loss=m["loss"]) for m in plain["micro"]]
-    return {"fp": plain["fp"], "norms": plain["norms"].cpu(), "micro": micro}
 
 
 def _rel(a: float, b: float) -> float:

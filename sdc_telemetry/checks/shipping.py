@@ -1,0 +1,72 @@
+"""What travels to a replaying rank: a step's micro-batches with their RNG and autocast state, and the origin's
+record. Only plain nests of tensors and values are allowed, so the receiver can load them with
+``torch.load(weights_only=True)`` and never unpickles arbitrary objects from a peer."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["MicroBatch", "check_shippable", "pack", "unpack"]
+
+_PLAIN = (int, float, bool, str, bytes, complex, type(None))
+
+
+def check_shippable(batch: Any, path: str = "batch") -> None:
+    """Raise ``TypeError`` naming the first leaf that cannot travel to a replaying rank."""
+    if isinstance(batch, torch.Tensor):
+        if batch.layout != torch.strided:
+            raise TypeError(f"replay cannot ship {path}: a {batch.layout} tensor; use dense tensors")
+        return
+    if type(batch) in (list, tuple):
+        for i, item in enumerate(batch):
+            check_shippable(item, f"{path}[{i}]")
+        return
+    if type(batch) is dict:
+        for k, v in batch.items():
+            if not isinstance(k, (str, int)):
+                raise TypeError(f"replay cannot ship {path}: dict key {k!r} of type {type(k).__name__} "
+                                "(keys must be str or int)")
+            check_shippable(v, f"{path}[{k!r}]")
+        return
+    if type(batch) in _PLAIN:
+        return
+    raise TypeError(f"replay cannot ship {path}: leaf of type {type(batch).__module__}.{type(batch).__qualname__}. "
+                    "Batches must nest tensors, lists, tuples and dicts of plain values (int, float, bool, str, "
+                    "bytes, None); convert it in the loop, or set replay_every=0")
+
+
+@dataclass
+class MicroBatch:
+    batch: Any
+    cpu_rng: torch.Tensor
+    dev_rng: torch.Tensor | None
+    autocast: tuple[bool, torch.dtype] | None
+    scale: float = 1.0
+    loss: torch.Tensor | None = None
+
+
+def pack(record: dict[str, Any]) -> torch.Tensor:
+    plain = {
+        "fp": record["fp"],
+        "norms": record["norms"],
+        "micro": [{"batch": m.batch, "cpu_rng": m.cpu_rng, "dev_rng": m.dev_rng, "scale": m.scale,
+                   "loss": m.loss, "autocast": None if m.autocast is None else
+                   (m.autocast[0], str(m.autocast[1]).removeprefix("torch."))} for m in record["micro"]],
+    }
+    buf = io.BytesIO()
+    torch.save(plain, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def unpack(data: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    raw = data.cpu().numpy().tobytes()
+    plain = torch.load(io.BytesIO(raw), map_location=device, weights_only=True)
+    micro = [MicroBatch(batch=m["batch"], cpu_rng=m["cpu_rng"].cpu(), dev_rng=m["dev_rng"],
+                         autocast=None if m["autocast"] is None else (m["autocast"][0],
+                                                                      getattr(torch, m["autocast"][1])),
+                         scale=m["scale"], loss=m["loss"]) for m in plain["micro"]]
+    return {"fp": plain["fp"], "norms": plain["norms"].cpu(), "micro": micro}
