@@ -18,6 +18,12 @@ Outcome classes are decided from ground truth measured beside the monitor (never
 - reduced-gradient corruption with a finite value: ``no weight divergence`` when the replicas' weights (SHA-1 of a
   host copy, all-gathered each step) never differ within the trial.
 Classes that cannot change the outcome, or sit outside what a check samples, are reported on their own rows.
+
+Scoring: a fault is detected when any incident comes at or after its step; latency is the first such incident's step
+minus the fault's step; the attribution is right when that first verdict names the faulty rank alone. Per check,
+``first / any`` counts the trials where the check was among the first verdicts / raised an incident at all after the
+fault (later incidents are often consequences: a NaN update makes the next local gradients NaN). Incidents before
+the fault step, and all incidents of healthy runs, are false incidents.
 """
 
 from __future__ import annotations
@@ -250,6 +256,7 @@ def score(trials: list[dict[str, Any]], results: dict[int, dict[str, Any]], step
         cls = classify(t, r, replay_every)
         row = rows.setdefault((t["kind"], cls), {"injected": 0, "fired": 0, "detected": 0, "right": 0,
                                                   "ambiguous": 0, "latency": [],
+                                                  "first_by_check": dict.fromkeys(CHECKS, 0),
                                                   "by_check": dict.fromkeys(CHECKS, 0)})
         row["injected"] += 1
         row["fired"] += int(r["fired"])
@@ -262,6 +269,8 @@ def score(trials: list[dict[str, Any]], results: dict[int, dict[str, Any]], step
         first = [i for i in after if i["step"] == first_step]
         row["detected"] += 1
         row["latency"].append(first_step - fault_step)
+        for c in {i["check"] for i in first}:
+            row["first_by_check"][c] += 1
         # right: the first verdict names the faulty rank alone; ambiguous: it names it among others
         if any(i["suspects"] == [t["rank"]] for i in first):
             row["right"] += 1
@@ -315,9 +324,9 @@ def run(trials: int = 240, seed: int = 0, world: int = 3, steps: int = 10, repla
         rows.append([r["kind"], r["class"], r["injected"], r["fired"], f"{det}/{r['injected']}",
                      f"{r['right']}/{det}" if det else "-", r["ambiguous"],
                      "-" if r["latency_median"] is None else f"{r['latency_median']:g} / {r['latency_max']}",
-                     *[r["by_check"][c] for c in CHECKS]])
+                     *[f"{r['first_by_check'][c]} / {r['by_check'][c]}" for c in CHECKS]])
     say(table(["fault", "class", "injected", "fired", "detected", "right rank alone", "ambiguous incl. right",
-               "latency steps (median / max)", *[f"by {c}" for c in CHECKS]], rows,
+               "latency steps (median / max)", *[f"{c}: first / any" for c in CHECKS]], rows,
               title=f"Fault-injection campaign: {trials} trials, seed {seed}, {world} ranks, {steps} steps each, "
                     f"weights_every=1, replay_every={replay_every}"))
     say()

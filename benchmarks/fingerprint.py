@@ -101,7 +101,8 @@ def _random(numel: int, dtype: torch.dtype, device: torch.device, gen: torch.Gen
 
 
 def run(sizes_mib: Sequence[float] = SIZES_MIB, dtypes: Sequence[str] = tuple(DTYPES), list_layers: int = 12,
-        list_dim: int = 768, list_vocab: int = 50257, device: str = "cpu", min_time: float = 0.3,
+        list_dim: int = 768, list_vocab: int = 50257, small_count: int = 1000, small_numel: int = 64,
+        device: str = "cpu", min_time: float = 0.3,
         sha1_max_mib: float = 1024, out_dir: str | Path | None = None, quiet: bool = False) -> dict[str, Any]:
     """Measure, print the tables, write ``fingerprint.json``; return the payload."""
     dev = torch.device(device)
@@ -124,10 +125,18 @@ def run(sizes_mib: Sequence[float] = SIZES_MIB, dtypes: Sequence[str] = tuple(DT
     for dname in [d for d in ("fp32", "bf16") if d in dtypes]:
         params = [_random(int(torch.Size(s).numel()), DTYPES[dname], dev, gen).view(s) for s in shapes]
         nbytes = sum(p.numel() * p.element_size() for p in params)
-        lists.append({"dtype": dname, "tensors": len(params), "size_mib": nbytes / MIB,
+        lists.append({"list": "GPT-2 small", "dtype": dname, "tensors": len(params), "size_mib": nbytes / MIB,
                       **measure(params, dev, min_time)})
         del params
         gc.collect()
+    # Not a target: many tiny tensors expose the fixed cost per tensor (host-side work per tensor and kernel).
+    tiny = [_random(small_numel, torch.float32, dev, gen) for _ in range(small_count)]
+    lists.append({"list": f"{small_count} x {small_numel} fp32 (per-tensor cost)", "dtype": "fp32",
+                  "tensors": len(tiny), "size_mib": small_count * small_numel * 4 / MIB,
+                  **measure(tiny, dev, min_time)})
+    for x in lists:
+        x["us_per_tensor"] = {k: x["size_mib"] * MIB / 1e3 / v / x["tensors"] for k, v in x["gbps"].items()}
+    realistic = [x for x in lists if x["list"] == "GPT-2 small"]
 
     large = [row["ratio_to_sum"] for row in rows if row["size_mib"] >= LARGE_MIB]
     if not large and rows:  # quick runs have no large tensor: judge the largest measured
@@ -137,9 +146,9 @@ def run(sizes_mib: Sequence[float] = SIZES_MIB, dtypes: Sequence[str] = tuple(DT
         "large_tensor_ratio_min": min(large) if large else float("nan"),
         "large_tensor_target": TARGET_LARGE,
         "large_tensor_met": bool(large) and min(large) >= TARGET_LARGE,
-        "list_ratio_min": min((x["ratio_to_sum"] for x in lists), default=float("nan")),
+        "list_ratio_min": min((x["ratio_to_sum"] for x in realistic), default=float("nan")),
         "list_target": TARGET_LIST,
-        "list_met": bool(lists) and min(x["ratio_to_sum"] for x in lists) >= TARGET_LIST,
+        "list_met": bool(realistic) and min(x["ratio_to_sum"] for x in realistic) >= TARGET_LIST,
     }
     headers = ["dtype", "size", "fingerprint GB/s", "torch.sum GB/s", "hash_tensor GB/s", "SHA-1 (CPU copy) GB/s",
                "fingerprint / sum"]
@@ -147,11 +156,12 @@ def run(sizes_mib: Sequence[float] = SIZES_MIB, dtypes: Sequence[str] = tuple(DT
                          r["gbps"]["hash_tensor"], r["gbps"]["sha1_cpu_copy"], r["ratio_to_sum"]] for r in rows],
               title=f"sdc.fingerprint bandwidth, one tensor ({dev.type}, {torch.get_num_threads()} threads)"))
     say()
-    say(table(["dtype", "tensors", "total", "fingerprint GB/s", "torch.sum GB/s", "hash_tensor GB/s",
-               "SHA-1 (CPU copy) GB/s", "fingerprint / sum"],
-              [[x["dtype"], x["tensors"], _size(x["size_mib"]), x["gbps"]["fingerprint"], x["gbps"]["torch.sum"],
-                x["gbps"]["hash_tensor"], x["gbps"]["sha1_cpu_copy"], x["ratio_to_sum"]] for x in lists],
-              title="Parameter list shaped like GPT-2 small (per-tensor rows)"))
+    say(table(["list", "dtype", "tensors", "total", "fingerprint GB/s", "torch.sum GB/s", "hash_tensor GB/s",
+               "SHA-1 (CPU copy) GB/s", "fingerprint / sum", "fingerprint us/tensor", "torch.sum us/tensor"],
+              [[x["list"], x["dtype"], x["tensors"], _size(x["size_mib"]), x["gbps"]["fingerprint"],
+                x["gbps"]["torch.sum"], x["gbps"]["hash_tensor"], x["gbps"]["sha1_cpu_copy"], x["ratio_to_sum"],
+                x["us_per_tensor"]["fingerprint"], x["us_per_tensor"]["torch.sum"]] for x in lists],
+              title="Parameter lists: shaped like GPT-2 small (124M; the target), and many tiny tensors"))
     say()
     say(f"target: fingerprint >= {TARGET_LARGE}x torch.sum on large tensors: worst "
         f"{targets['large_tensor_ratio_min']:.2f}x -> {'met' if targets['large_tensor_met'] else 'MISSED'}")
@@ -177,8 +187,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--out-dir", help="where fingerprint.json goes (default benchmarks/results)")
     a = p.parse_args(argv)
     if a.quick:
-        run(sizes_mib=a.sizes_mib or (0.25, 1), list_layers=2, list_dim=64, list_vocab=512, device=a.device,
-            min_time=0.0, out_dir=a.out_dir)
+        run(sizes_mib=a.sizes_mib or (0.25, 1), list_layers=2, list_dim=64, list_vocab=512, small_count=50,
+            device=a.device, min_time=0.0, out_dir=a.out_dir)
     else:
         run(sizes_mib=a.sizes_mib or SIZES_MIB, device=a.device, min_time=a.min_time, out_dir=a.out_dir)
 

@@ -1,24 +1,25 @@
 """Step-time overhead of the checks on multi-rank CPU DDP (gloo) training of a small GPT.
 
-    python benchmarks/overhead.py            # 2 ranks, ~10M-parameter GPT, 4 interleaved rounds (~3 minutes)
-    python benchmarks/overhead.py --quick    # tiny model, one short round (the smoke test)
+    python benchmarks/overhead.py            # 2 ranks, 10M-parameter GPT, 10 interleaved rounds (~2-3 minutes)
+    python benchmarks/overhead.py --quick    # tiny model, two short rounds (the smoke test)
 
-Configurations, run interleaved in the same process group (A B C D E, then E D C B A, ...):
-no monitor; gradient checks only; gradient checks + weights every step; + replay every 50; + replay every 10.
-Each segment wraps the same module in a fresh DDP (a DDP instance takes one comm hook, and the monitor installs its
-own), builds the monitor, runs ``warmup`` untimed steps and ``steps`` timed ones, then closes the monitor. Every
-segment holds the same number of replay audits (``steps`` is a multiple of every replay period).
+Configurations: no monitor; gradient checks only; gradient checks + weights every step; + replay every 50; + replay
+every 10. Each configuration trains its own copy of the same model (same seed, own optimizer, own DDP wrapper and
+monitor, built once: a DDP instance takes one comm hook, and two live DDP wrappers of one module would both
+all-reduce it). After ``warmup`` untimed steps each, the configurations take turns in the same process group, one
+segment of ``segment`` steps at a time (A B C D E, then E D C B A, ...), ``rounds`` times. A monitor keeps counting
+its own steps across segments, so replay every N audits every Nth step of its configuration whatever the segments.
 
-Reported: step time of each configuration as a ratio to the baseline segment of the same round, median and
-interquartile range over rounds; the cost of one replay audit in baseline steps (audit step minus the median
-non-audit step of the same segment). Targets: gradient checks + weights every step <= 1.01x the baseline; replay every
-N adds at most 1.1/N of a step (one audit costs <= 1.1 steps).
+Reported, per configuration, as ratios to the baseline segment of the same round (median and interquartile range over
+rounds): the per-step cost, from each segment's median step (robust to bursts of load from elsewhere on the
+machine); and, for replay, the cost of one audit in baseline steps (audit step minus its segment's median step), so
+that replay every N costs per-step ratio + audit cost / N. The plain mean over all timed steps is reported too.
+Targets: gradient checks + weights every step <= 1.01x the baseline; replay every N adds at most 1.1/N of a step.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 import time
 from collections.abc import Sequence
@@ -40,16 +41,18 @@ TARGET_AUDIT_STEPS = 1.1
 
 MODEL = {"vocab": 8192, "dim": 384, "layers": 4, "heads": 6, "seq": 64}
 QUICK_MODEL = {"vocab": 128, "dim": 32, "layers": 1, "heads": 2, "seq": 8}
+BASELINE = "no monitor"
+WEIGHTS = "grad + weights/1"
 
 
 def configurations(replay_every: Sequence[int]) -> list[tuple[str, dict[str, Any] | None]]:
     """(label, SDCConfig fields or None for no monitor), in interleaving order."""
     out: list[tuple[str, dict[str, Any] | None]] = [
-        ("no monitor", None),
+        (BASELINE, None),
         ("grad checks", {"weights_every": 0, "replay_every": 0}),
-        ("grad + weights/1", {"weights_every": 1, "replay_every": 0}),
+        (WEIGHTS, {"weights_every": 1, "replay_every": 0}),
     ]
-    out += [(f"grad + weights/1 + replay/{n}", {"weights_every": 1, "replay_every": n}) for n in replay_every]
+    out += [(f"{WEIGHTS} + replay/{n}", {"weights_every": 1, "replay_every": n}) for n in replay_every]
     return out
 
 
@@ -58,40 +61,30 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _segment(module: torch.nn.Module, optimizer: torch.optim.Optimizer, fields: dict[str, Any] | None,
-             batches: list[tuple[torch.Tensor, torch.Tensor]], warmup: int, device: torch.device
-             ) -> tuple[list[float], int]:
-    """Per-step seconds of the timed steps of one configuration, and the incidents seen (0 when healthy)."""
-    ddp = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
-    monitor = None
-    if fields is not None:
-        monitor = sdc.SDCMonitor(ddp, optimizer, loss_fn=lm_loss,
-                                 config=sdc.SDCConfig(metrics_port=None, nvml=False, **fields))
-    times: list[float] = []
-    dist.barrier()
-    for i, batch in enumerate(batches):
-        if i == warmup:
-            _sync(device)
-            dist.barrier()
+class _Run:
+    """One configuration's model copy, optimizer, DDP wrapper and monitor, alive for the whole benchmark."""
+
+    def __init__(self, spec: dict[str, Any], fields: dict[str, Any] | None, device: torch.device) -> None:
+        torch.manual_seed(0)
+        self.module = GPT(**spec["model"]).to(device)
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-4)
+        self.ddp = DistributedDataParallel(self.module, device_ids=[device.index] if device.type == "cuda" else None)
+        self.monitor = None if fields is None else sdc.SDCMonitor(
+            self.ddp, self.optimizer, loss_fn=lm_loss, config=sdc.SDCConfig(metrics_port=None, nvml=False, **fields))
+        self.step = 0  # steps taken, = the monitor's step index of the next step
+
+    def train(self, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> float:
         start = time.perf_counter()
-        if monitor is not None:
-            with monitor.step(batch) as step:
-                step.backward(lm_loss(ddp, batch))
+        if self.monitor is not None:
+            with self.monitor.step(batch) as step:
+                step.backward(lm_loss(self.ddp, batch))
         else:
-            lm_loss(ddp, batch).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            lm_loss(self.ddp, batch).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    incidents = 0
-    if monitor is not None:
-        incidents = len(monitor.incidents)
-        monitor.close()
-    # Drop the wrapper before the next one: a live DDP reducer keeps its autograd hooks on the module's parameters.
-    del monitor, ddp
-    gc.collect()
-    return times, incidents
+        self.step += 1
+        return time.perf_counter() - start
 
 
 def _rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -99,23 +92,34 @@ def _rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     if device.type == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    torch.manual_seed(0)
-    module = GPT(**spec["model"]).to(device)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
-    batches = [(x.to(device), y.to(device)) for x, y in
-               token_batches(spec["warmup"] + spec["steps"], spec["batch"], spec["model"]["seq"],
-                             spec["model"]["vocab"], seed=1000 + rank)]
     configs = configurations(spec["replay_every"])
+    runs = {label: _Run(spec, fields, device) for label, fields in configs}
+    batches = [(x.to(device), y.to(device)) for x, y in
+               token_batches(spec["warmup"] + spec["segment"] * spec["rounds"], spec["batch"],
+                             spec["model"]["seq"], spec["model"]["vocab"], seed=1000 + rank)]
+    for run in runs.values():
+        for batch in batches[:spec["warmup"]]:
+            run.train(batch, device)
     rounds: list[dict[str, Any]] = []
     for r in range(spec["rounds"]):
         order = configs if r % 2 == 0 else configs[::-1]
         seg: dict[str, Any] = {}
-        for label, fields in order:
-            times, incidents = _segment(module, optimizer, fields, batches, spec["warmup"], device)
-            seg[label] = {"step_s": times, "incidents": incidents}
+        for label, _ in order:
+            run = runs[label]
+            first = run.step
+            _sync(device)
+            dist.barrier()
+            times = [run.train(batch, device) for batch in
+                     batches[run.step:run.step + spec["segment"]]]
+            seg[label] = {"first_step": first, "step_s": times}
         rounds.append(seg)
-    parts = _component_costs(module, optimizer, batches[0], device) if rank == 0 else {}
-    return {"rounds": rounds, "params": param_count(module), "components_ms": parts}
+    incidents = {label: len(run.monitor.incidents) if run.monitor is not None else 0 for label, run in runs.items()}
+    for run in runs.values():
+        if run.monitor is not None:
+            run.monitor.close()
+    base = runs[BASELINE]
+    parts = _component_costs(base.module, base.optimizer, batches[0], device) if rank == 0 else {}
+    return {"rounds": rounds, "params": param_count(base.module), "components_ms": parts, "incidents": incidents}
 
 
 def _component_costs(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -142,59 +146,65 @@ def _component_costs(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     grads = [p.grad for p in params if p.grad is not None]
     parts["fingerprint(params) (weights check)"] = ms(lambda: sdc.fingerprint(params))
     parts["fingerprint(grads) (comm hook)"] = ms(lambda: sdc.fingerprint(grads))
-    parts["_foreach_norm(grads) (comm hook, reduced norms)"] = ms(lambda: torch._foreach_norm(grads))
+    parts["_foreach_norm(grads) (comm hook; again for reduced norms)"] = ms(lambda: torch._foreach_norm(grads))
     parts["torch.sum per grad (one read, reference)"] = ms(lambda: [g.sum() for g in grads])
-    parts["AdamW step"] = ms(optimizer.step)
+    parts["AdamW step"] = ms(optimizer.step)  # last: it moves the weights
     return parts
 
 
-def summarise(rounds: list[dict[str, Any]], replay_every: Sequence[int], warmup: int) -> dict[str, Any]:
-    """Ratios to the baseline per round, their median and IQR, and the cost of one replay audit."""
+def _audits(seg: dict[str, Any], n: int) -> tuple[list[float], list[float]]:
+    """(audit step times, other step times) of one segment of the replay-every-``n`` configuration."""
+    audit, plain = [], []
+    for i, t in enumerate(seg["step_s"]):
+        (audit if (seg["first_step"] + i) % n == 0 else plain).append(t)
+    return audit, plain
+
+
+def summarise(rounds: list[dict[str, Any]], replay_every: Sequence[int]) -> dict[str, Any]:
+    """Per-round ratios to the baseline, their median and IQR, and the cost of one replay audit."""
     labels = [label for label, _ in configurations(replay_every)]
-    base = labels[0]
-    weights_label = labels[2]
+    period = {f"{WEIGHTS} + replay/{n}": n for n in replay_every}
+    base_med = [median(r[BASELINE]["step_s"]) for r in rounds]
+    base_mean = sum(sum(r[BASELINE]["step_s"]) for r in rounds) / sum(len(r[BASELINE]["step_s"]) for r in rounds)
     per_config: dict[str, Any] = {}
     for label in labels:
-        ratios = [sum(r[label]["step_s"]) / sum(r[base]["step_s"]) for r in rounds]
-        means = [sum(r[label]["step_s"]) / len(r[label]["step_s"]) for r in rounds]
-        q1, q3 = iqr(ratios)
-        per_config[label] = {"ratio_median": median(ratios), "ratio_q1": q1, "ratio_q3": q3, "ratios": ratios,
-                             "step_ms_median": 1e3 * median(means),
-                             "incidents": sum(r[label]["incidents"] for r in rounds)}
-    replay: dict[str, Any] = {}
-    for n in replay_every:
-        label = f"grad + weights/1 + replay/{n}"
-        audit_costs: list[float] = []
-        added: list[float] = []
-        for r in rounds:
-            steps = r[label]["step_s"]
-            base_step = median(r[base]["step_s"])
-            audit = [t for i, t in enumerate(steps) if (warmup + i) % n == 0]
-            plain = [t for i, t in enumerate(steps) if (warmup + i) % n != 0]
-            audit_costs += [(t - median(plain)) / base_step for t in audit] if plain else []
-            mean = sum(steps) / len(steps)
-            mean_w = sum(r[weights_label]["step_s"]) / len(r[weights_label]["step_s"])
-            added.append((mean - mean_w) / (sum(r[base]["step_s"]) / len(r[base]["step_s"])))
-        q1, q3 = iqr(audit_costs)
-        replay[str(n)] = {"audit_cost_steps_median": median(audit_costs), "audit_cost_q1": q1, "audit_cost_q3": q3,
-                          "audits": len(audit_costs), "added_fraction_median": median(added),
-                          "added_fraction_iqr": list(iqr(added)), "target_added_fraction": TARGET_AUDIT_STEPS / n,
-                          "met": median(audit_costs) <= TARGET_AUDIT_STEPS}
-    w = per_config[weights_label]
-    return {"configs": per_config, "replay": replay,
-            "targets": {"weights_ratio": w["ratio_median"], "weights_target": TARGET_WEIGHTS,
-                        "weights_met": w["ratio_median"] <= TARGET_WEIGHTS,
-                        "replay_met": all(v["met"] for v in replay.values())}}
+        n = period.get(label)
+        steady, audit_cost = [], []
+        for r, b in zip(rounds, base_med, strict=True):
+            audit, plain = _audits(r[label], n) if n else ([], r[label]["step_s"])
+            steady.append(median(plain) / b)
+            audit_cost += [(t - median(plain)) / b for t in audit]
+        q1, q3 = iqr(steady)
+        mean = sum(sum(r[label]["step_s"]) for r in rounds) / sum(len(r[label]["step_s"]) for r in rounds)
+        c: dict[str, Any] = {"step_ratio_median": median(steady), "step_ratio_q1": q1, "step_ratio_q3": q3,
+                             "step_ratios": steady, "mean_ratio": mean / base_mean,
+                             "step_ms_median": 1e3 * median([median(r[label]["step_s"]) for r in rounds])}
+        if n:
+            a_q1, a_q3 = iqr(audit_cost)
+            cost = median(audit_cost)
+            c.update({"replay_every": n, "audits": len(audit_cost), "audit_cost_steps_median": cost,
+                      "audit_cost_q1": a_q1, "audit_cost_q3": a_q3, "audit_costs": audit_cost,
+                      "ratio": median(steady) + cost / n, "added_per_step": cost / n,
+                      "target_added_per_step": TARGET_AUDIT_STEPS / n, "met": cost <= TARGET_AUDIT_STEPS})
+        else:
+            c["ratio"] = median(steady)
+        per_config[label] = c
+    w = per_config[WEIGHTS]
+    return {"configs": per_config,
+            "targets": {"weights_ratio": w["ratio"], "weights_target": TARGET_WEIGHTS,
+                        "weights_met": w["ratio"] <= TARGET_WEIGHTS,
+                        "replay_met": all(c["met"] for c in per_config.values() if "met" in c)}}
 
 
-def run(world: int = 2, model: dict[str, int] | None = None, batch: int = 4, steps: int = 50, warmup: int = 3,
-        rounds: int = 4, replay_every: Sequence[int] = (50, 10), device: str = "cpu", timeout: float = 1500.0,
+def run(world: int = 2, model: dict[str, int] | None = None, batch: int = 4, segment: int = 10, rounds: int = 10,
+        warmup: int = 2, replay_every: Sequence[int] = (50, 10), device: str = "cpu", timeout: float = 1200.0,
         out_dir: str | Path | None = None, quiet: bool = False) -> dict[str, Any]:
-    """Run the interleaved measurement on ``world`` gloo ranks, print the table, write ``overhead.json``."""
-    bad = [n for n in replay_every if n <= 0 or steps % n]
+    """Run the interleaved measurement on ``world`` gloo ranks, print the tables, write ``overhead.json``."""
+    bad = [n for n in replay_every if n <= 0 or (segment * rounds) % n]
     if bad:
-        raise ValueError(f"steps={steps} must be a multiple of every replay period, not of {bad}")
-    spec = {"model": dict(model or MODEL), "batch": batch, "steps": steps, "warmup": warmup, "rounds": rounds,
+        raise ValueError(f"segment x rounds = {segment * rounds} timed steps must be a multiple of every replay "
+                         f"period (so that each configuration is timed over whole periods), not of {bad}")
+    spec = {"model": dict(model or MODEL), "batch": batch, "segment": segment, "rounds": rounds, "warmup": warmup,
             "replay_every": list(replay_every), "device": device}
     say = (lambda *_a: None) if quiet else print
     if (warn := load_warning()) is not None:
@@ -202,25 +212,23 @@ def run(world: int = 2, model: dict[str, int] | None = None, batch: int = 4, ste
     t0 = time.perf_counter()
     results = spawn_ranks(_rank, world, args=(spec,), timeout=timeout)
     wall = time.perf_counter() - t0
-    summary = summarise(results[0]["rounds"], replay_every, warmup)
-    base_ms = summary["configs"]["no monitor"]["step_ms_median"]
+    summary = summarise(results[0]["rounds"], replay_every)
+    incidents = results[0]["incidents"]
     m = spec["model"]
     desc = (f"{world} ranks (gloo, {device}, 1 thread each), GPT {results[0]['params'] / 1e6:.1f}M params "
-            f"(dim {m['dim']}, {m['layers']} layers, vocab {m['vocab']}), batch {batch}x{m['seq']} tokens per rank, "
-            f"{rounds} rounds x {steps} timed steps per configuration")
+            f"(dim {m['dim']}, {m['layers']} layers, vocab {m['vocab']}), {batch}x{m['seq']} tokens per rank and "
+            f"step, {rounds} rounds x {segment} steps per configuration")
     rows = []
     for label, c in summary["configs"].items():
-        rows.append([label, c["step_ms_median"], c["ratio_median"], f"{c['ratio_q1']:.3f}-{c['ratio_q3']:.3f}",
-                     c["incidents"]])
-    say(table(["configuration", "step ms (median)", "ratio to baseline (median)", "IQR", "incidents"], rows,
+        rows.append([label, c["step_ms_median"], c["step_ratio_median"],
+                     f"{c['step_ratio_q1']:.3f}-{c['step_ratio_q3']:.3f}",
+                     f"{c['audit_cost_steps_median']:.2f} ({c['audits']})" if "audits" in c else "-",
+                     c["ratio"], c["mean_ratio"], incidents[label]])
+    say(table(["configuration", "step ms (median)", "per-step ratio (median)", "per-step IQR",
+               "audit cost, steps (audits)", "ratio incl. audits", "ratio of means", "incidents"], rows,
               title="Step-time overhead: " + desc))
     say()
-    say(table(["replay every", "audit cost in steps (median)", "IQR", "audits", "added per step (segments)",
-               "target added per step", "met"],
-              [[n, v["audit_cost_steps_median"], f"{v['audit_cost_q1']:.2f}-{v['audit_cost_q3']:.2f}", v["audits"],
-                v["added_fraction_median"], v["target_added_fraction"], "yes" if v["met"] else "NO"]
-               for n, v in summary["replay"].items()], title="Replay cost"))
-    say()
+    base_ms = summary["configs"][BASELINE]["step_ms_median"]
     comp = results[0]["components_ms"]
     say(table(["pass (rank 0, single process)", "ms", "fraction of baseline step"],
               [[k, v, v / base_ms] for k, v in comp.items()], title="Where the time goes"))
@@ -228,13 +236,14 @@ def run(world: int = 2, model: dict[str, int] | None = None, batch: int = 4, ste
     t = summary["targets"]
     say(f"target: grad + weights every step <= {TARGET_WEIGHTS}x baseline: {t['weights_ratio']:.3f}x -> "
         f"{'met' if t['weights_met'] else 'MISSED'}")
-    for n, v in summary["replay"].items():
-        cost = v["audit_cost_steps_median"]
-        say(f"target: replay every {n} adds <= {TARGET_AUDIT_STEPS}/{n} = {v['target_added_fraction']:.3f} of a "
-            f"step: one audit costs {cost:.2f} steps -> {cost / int(n):.4f} per step -> "
-            f"{'met' if v['met'] else 'MISSED'}")
+    for c in summary["configs"].values():
+        if "met" in c:
+            n = c["replay_every"]
+            say(f"target: replay every {n} adds <= {TARGET_AUDIT_STEPS}/{n} = {c['target_added_per_step']:.3f} of a "
+                f"step: one audit costs {c['audit_cost_steps_median']:.2f} steps -> {c['added_per_step']:.4f} per "
+                f"step -> {'met' if c['met'] else 'MISSED'}")
     payload = {"spec": spec, "world": world, "params": results[0]["params"], "wall_s": wall, **summary,
-               "components_ms": comp, "rounds": results[0]["rounds"]}
+               "incidents": incidents, "components_ms": comp, "rounds": results[0]["rounds"]}
     path = write_json("overhead", payload, out_dir)
     say(f"wrote {path} ({wall:.0f} s)")
     return payload
@@ -242,19 +251,19 @@ def run(world: int = 2, model: dict[str, int] | None = None, batch: int = 4, ste
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny model, one short round: checks that it runs")
+    p.add_argument("--quick", action="store_true", help="tiny model, two short rounds: checks that it runs")
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--steps", type=int, default=50, help="timed steps per segment (a multiple of 50 and 10)")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--segment", type=int, default=10, help="steps per configuration and round")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--device", default="cpu", help="cpu, or cuda (ranks share the GPUs round-robin; gloo)")
     p.add_argument("--out-dir", help="where overhead.json goes (default benchmarks/results)")
     a = p.parse_args(argv)
     if a.quick:
-        run(world=2, model=QUICK_MODEL, batch=2, steps=4, warmup=1, rounds=2, replay_every=(4, 2), device=a.device,
-            out_dir=a.out_dir)
+        run(world=2, model=QUICK_MODEL, batch=2, segment=4, rounds=2, warmup=1, replay_every=(4, 2),
+            device=a.device, out_dir=a.out_dir)
     else:
-        run(world=a.world, batch=a.batch, steps=a.steps, rounds=a.rounds, device=a.device, out_dir=a.out_dir)
+        run(world=a.world, batch=a.batch, segment=a.segment, rounds=a.rounds, device=a.device, out_dir=a.out_dir)
 
 
 if __name__ == "__main__":

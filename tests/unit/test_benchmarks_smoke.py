@@ -48,7 +48,9 @@ def test_fingerprint_quick_writes_bandwidth_table(bench, tmp_path, capsys):
     for row in data["tensors"] + data["parameter_list"]:
         assert set(row["gbps"]) == methods
         assert row["ratio_to_sum"] > 0
-    assert {r["dtype"] for r in data["parameter_list"]} == {"fp32", "bf16"}
+    realistic = [r for r in data["parameter_list"] if r["list"] == "GPT-2 small"]
+    assert {r["dtype"] for r in realistic} == {"fp32", "bf16"}
+    assert all(set(r["us_per_tensor"]) == methods for r in data["parameter_list"])
     assert {"large_tensor_met", "list_met", "large_tensor_ratio_min", "list_ratio_min"} <= set(data["targets"])
 
 
@@ -56,7 +58,8 @@ def test_overhead_quick_reports_every_configuration(bench, tmp_path, capsys):
     """overhead.py --quick runs every configuration interleaved on 2 ranks and reports ratios with their spread."""
     bench("overhead").main(["--quick", "--out-dir", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "ratio to baseline" in out and "Replay cost" in out
+    assert "per-step ratio" in out and "Where the time goes" in out
+    assert out.count("target:") == 3
     data = _result(tmp_path, "overhead")
     labels = ["no monitor", "grad checks", "grad + weights/1", "grad + weights/1 + replay/4",
               "grad + weights/1 + replay/2"]
@@ -64,11 +67,14 @@ def test_overhead_quick_reports_every_configuration(bench, tmp_path, capsys):
     assert len(data["rounds"]) == data["spec"]["rounds"] == 2
     for rnd in data["rounds"]:
         assert set(rnd) == set(labels)
-        assert all(len(rnd[c]["step_s"]) == data["spec"]["steps"] for c in labels)
+        assert all(len(rnd[c]["step_s"]) == data["spec"]["segment"] for c in labels)
     for c in data["configs"].values():
-        assert c["ratio_q1"] <= c["ratio_median"] <= c["ratio_q3"]
-    assert data["configs"]["no monitor"]["ratio_median"] == pytest.approx(1.0)
-    assert set(data["replay"]) == {"4", "2"}
+        assert c["step_ratio_q1"] <= c["step_ratio_median"] <= c["step_ratio_q3"]
+    assert data["configs"]["no monitor"]["step_ratio_median"] == pytest.approx(1.0)
+    # every configuration is timed over whole replay periods: 8 timed steps hold 2 audits of replay/4, 4 of replay/2
+    assert data["configs"]["grad + weights/1 + replay/4"]["audits"] == 2
+    assert data["configs"]["grad + weights/1 + replay/2"]["audits"] == 4
+    assert data["incidents"] == dict.fromkeys(labels, 0)
     assert {"weights_met", "replay_met", "weights_ratio"} <= set(data["targets"])
 
 
@@ -84,7 +90,7 @@ def test_campaign_quick_scores_every_fault_kind(bench, tmp_path, capsys):
     faulty = sum(1 for t in data["plan"] if t["kind"] != "healthy")
     assert sum(r["injected"] for r in data["rows"]) == faulty
     for r in data["rows"]:
-        assert set(r["by_check"]) == set(campaign.CHECKS)
+        assert set(r["by_check"]) == set(r["first_by_check"]) == set(campaign.CHECKS)
         assert 0 <= r["detected"] <= r["injected"]
         assert r["right"] + r["ambiguous"] <= r["detected"]
     assert data["healthy_rank_steps"] > 0
