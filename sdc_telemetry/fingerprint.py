@@ -32,6 +32,8 @@ def _word_sum(t: torch.Tensor) -> torch.Tensor:
     if t.is_sparse or t.is_quantized or t.layout != torch.strided:
         raise TypeError(f"fingerprint supports dense strided tensors only, got layout={t.layout} dtype={t.dtype}")
     flat = t.detach().reshape(-1)
+    if flat.numel() > 1 and flat.stride(0) != 1:  # expanded (stride-0) views stay views after reshape
+        flat = flat.contiguous()
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     raw = flat.view(torch.uint8)

@@ -65,6 +65,9 @@ class SDCMonitor:
         self.config = config if config is not None else SDCConfig.from_env()
         if not isinstance(self.config, SDCConfig):
             raise TypeError(f"config must be an SDCConfig, got {type(self.config).__name__}")
+        if self.config.replay_every and any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()):
+            raise ValueError("SyncBatchNorm computes its statistics across ranks, so a replay of one rank's "
+                             "micro-batch cannot reproduce it; set SDCConfig(replay_every=0) for this model")
         if self.config.replay_every and loss_fn is None:
             raise ValueError(f"SDCConfig.replay_every={self.config.replay_every} needs loss_fn= (called as "
                              "loss_fn(module, batch) -> scalar loss to recompute a step); pass it, or set "
@@ -96,13 +99,16 @@ class SDCMonitor:
         self._next_step = 0
         self._opened = False
         self._implicit_warned = False
+        self._skip_warned: set[str] = set()
         self._closed = False
 
         checked = self._world > 1
         if not checked and (self.config.weights_every or self.config.replay_every):
             log.warning("sdc_telemetry: the replica group has one rank: weight and replay checks are disabled "
                         "(nothing to compare against); gradient checks stay on")
-        self._weights = weights_check.WeightsCheck(named, self._group, self._ranks) \
+        # Every parameter, frozen ones included (LoRA-style fine-tuning freezes most weights; they must still agree).
+        every = list(model.module.named_parameters())
+        self._weights = weights_check.WeightsCheck(every, self._group, self._ranks) \
             if checked and self.config.weights_every else None
         self._replay = ReplayCheck(model.module, loss_fn, named, self._group, self._ranks, self.identities,
                                    self.device, self.mode, self.config.tolerance, self.config.replay_every) \
@@ -152,6 +158,8 @@ class SDCMonitor:
         self._closed = True
         for h in self._handles:
             h.remove()
+        if self._replay is not None:
+            self._replay.close()
         if self._hook_state is not None:
             self._hook_state.enabled = False
         if self._incident_log is not None:
@@ -187,6 +195,8 @@ class SDCMonitor:
         if not self._opened:
             self._step = self._next_step
             self._opened = True
+            if self._replay is not None:
+                self._replay.drop()
             if not self._implicit_warned:
                 self._implicit_warned = True
                 log.warning("sdc_telemetry: optimizer.step() ran without `with monitor.step(batch)`; counting it as "
@@ -199,11 +209,30 @@ class SDCMonitor:
         step = self._current()
         findings: list[Finding] = []
         rows = self._run_grads(step, findings) if self._record is not None else None
-        if self._replay is not None and rows is not None and not findings and self._replay.due(step):
+        if self._replay is not None and rows is not None and not findings and self._replay.due(step) \
+                and self._replayable(step, rows):
             findings += self._run_replay(step, rows)
         elif self._replay is not None:
             self._replay.drop()
+        if self._record is not None:
+            self._record.reset()
         self._respond(findings, step)
+
+    def _replayable(self, step: int, rows: list[grad_check.StatusRow]) -> bool:
+        """Same answer on every rank (from the gathered rows): can this audit step be replayed at all?"""
+        if all(r.comparable and r.replayable for r in rows):
+            return True
+        if any(r.repeated for r in rows):
+            reason = ("a gradient bucket was all-reduced more than once in the step: with gradient accumulation, "
+                      "run all but the last micro-batch under ddp_model.no_sync()")
+        elif not all(r.replayable for r in rows):
+            reason = "not every rank captured the step (use `with monitor.step(batch)` or step.micro_batch())"
+        else:
+            reason = "local gradients were not measured on every rank"
+        if reason not in self._skip_warned and self._writer:
+            log.warning("sdc_telemetry: step %d: replay skipped: %s", step, reason)
+        self._skip_warned.add(reason)
+        return False
 
     def _after_update(self, *_: Any) -> None:
         step = self._current()
@@ -224,7 +253,8 @@ class SDCMonitor:
         try:
             if self.config.grad_checks:
                 reduced = grad_check.reduced_norms(self._params, self.device)
-            row = grad_check.StatusRow.build(step, self._record, reduced, error)
+            replayable = self._replay is not None and self._replay.due(step) and self._replay.ready()
+            row = grad_check.StatusRow.build(step, self._record, reduced, error, replayable)
         except Exception:  # noqa: BLE001 - contained; the collective below must still run on this rank
             self._internal_error("grad", "measuring gradients failed")
             row = grad_check.StatusRow.build(step, None, None, True)
@@ -242,8 +272,9 @@ class SDCMonitor:
             return rows
         finding = self._guard("grad", grad_check.decide, rows, self._ranks, True)
         elapsed = time.perf_counter() - start
-        self._guard("telemetry", self._observer.grad_measured, "local", mine.local_norm,
-                    not math.isfinite(mine.local_norm))
+        if mine.local_measured:  # an unmeasured rank reports nothing rather than a NaN norm
+            self._guard("telemetry", self._observer.grad_measured, "local", mine.local_norm,
+                        not math.isfinite(mine.local_norm))
         self._guard("telemetry", self._observer.grad_measured, "reduced", mine.reduced_norm,
                     not math.isfinite(mine.reduced_norm))
         self._guard("telemetry", self._observer.check_done, "grad_local",
@@ -288,12 +319,14 @@ class SDCMonitor:
     def _run_weights(self, step: int) -> list[Finding]:
         assert self._weights is not None
         start = time.perf_counter()
-        try:
-            local = self._weights.measure()
-        except Exception:  # noqa: BLE001 - send a row that cannot match, so the failure is visible
-            self._internal_error("weights", "fingerprinting parameters failed")
-            local = torch.full((len(self._params),), -1, dtype=torch.int64)
-        finding, _ = self._weights.run(local)
+        finding, failed = self._weights.run()
+        if failed:
+            if self.rank in failed:
+                self._guard("telemetry", self._observer.internal_error, "weights")
+            if self._writer:
+                log.warning("sdc_telemetry: step %d: weight check skipped: ranks %s could not fingerprint their "
+                            "parameters", step, failed)
+            return []
         agrees = finding is None or self.rank not in finding.suspect_ranks
         self._guard("telemetry", self._observer.weights_measured, agrees)
         self._guard("telemetry", self._observer.check_done, "weights", finding is None,

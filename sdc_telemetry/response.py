@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,7 @@ class IncidentLog:
         self.path = Path(directory) / INCIDENT_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._finalizer = weakref.finalize(self, os.close, self._fd)  # no leaked descriptor without close()
 
     def append(self, incident: Incident) -> None:
         if self._fd is None:
@@ -85,5 +87,5 @@ class IncidentLog:
 
     def close(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)
+            self._finalizer()
             self._fd = None

@@ -40,16 +40,31 @@ class GradRecord:
         self.norms = torch.zeros(len(params), dtype=torch.float32, device=device)
         self.buckets = 0
         self.failed = False
+        self.repeated = False
+        self._seen: set[int] = set()
 
     def reset(self) -> None:
         self.fp.zero_()
         self.norms.zero_()
         self.buckets = 0
         self.failed = False
+        self.repeated = False
+        self._seen.clear()
 
     def measure(self, bucket: GradBucket) -> None:
-        grads = bucket.gradients()
-        key = tuple(self._index[id(p)] for p in bucket.parameters())
+        if bucket.index() in self._seen:
+            # A second all-reduce of the same bucket in one step (accumulation without no_sync()): the bucket now
+            # holds an earlier reduced gradient plus a local one, which no replay can reproduce.
+            self.repeated = True
+        self._seen.add(bucket.index())
+        # Parameters frozen after DDP was built still sit in its buckets: they are not checked.
+        pairs = [(self._index[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True)
+                 if id(p) in self._index]
+        if not pairs:
+            self.buckets += 1
+            return
+        grads = [g for _, g in pairs]
+        key = tuple(i for i, _ in pairs)
         idx = self._idx_cache.get(key)
         if idx is None:  # buckets are fixed after DDP's first-iteration rebuild: a handful of entries in all
             idx = self._idx_cache[key] = torch.tensor(key, dtype=torch.int64, device=self._device)
@@ -89,12 +104,18 @@ def comm_hook(state: CommHookState, bucket: GradBucket) -> torch.futures.Future[
 comm_hook.__annotations__ = {}
 
 
+_IDX: dict[tuple[int, ...], torch.Tensor] = {}
+
+
 def reduced_norms(params: Sequence[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
     """Per-parameter norms of the reduced gradients (0 where a parameter has no gradient)."""
     out = torch.zeros(len(params), dtype=torch.float32, device=device)
     with_grad = [(i, p.grad) for i, p in enumerate(params) if p.grad is not None]
     if with_grad:
-        idx = torch.tensor([i for i, _ in with_grad], dtype=torch.int64, device=device)
+        key = tuple(i for i, _ in with_grad)
+        idx = _IDX.get(key)
+        if idx is None or idx.device != device:  # no host-to-device copy per step
+            idx = _IDX[key] = torch.tensor(key, dtype=torch.int64, device=device)
         grads = [g for _, g in with_grad]
         out.index_copy_(0, idx, torch.stack(torch._foreach_norm(grads)).float().to(device))
     return out
@@ -118,17 +139,24 @@ class StatusRow:
     reduced_norm: float
     local_fp: int
     error: bool
+    repeated: bool = False     # a bucket was all-reduced twice in the step (accumulation without no_sync)
+    replayable: bool = False   # this rank captured a complete replay record of the step
 
-    FIELDS = 6
+    @property
+    def comparable(self) -> bool:
+        """The recorded local gradients are what a replay of the step must reproduce."""
+        return self.local_measured and not self.repeated and not self.error
 
     @staticmethod
-    def build(step: int, record: GradRecord | None, reduced: torch.Tensor | None, error: bool) -> torch.Tensor:
+    def build(step: int, record: GradRecord | None, reduced: torch.Tensor | None, error: bool,
+              replayable: bool = False) -> torch.Tensor:
         """The row this rank contributes (device tensor, no host sync)."""
         device = record.fp.device if record is not None else torch.device("cpu")
         nan = torch.tensor([math.nan], dtype=torch.float64, device=device).view(torch.int64)
         measured = record is not None and record.buckets > 0 and not record.failed
+        repeated = record is not None and record.repeated
         parts = [
-            torch.tensor([step, int(measured)], dtype=torch.int64, device=device),
+            torch.tensor([step, int(measured), int(repeated), int(replayable)], dtype=torch.int64, device=device),
             _bits(record.total_norm()) if measured and record is not None else nan,
             _bits(torch.linalg.vector_norm(reduced)) if reduced is not None else nan,
             record.total_fp().reshape(1) if measured and record is not None else torch.zeros(1, dtype=torch.int64,
@@ -139,8 +167,8 @@ class StatusRow:
 
     @classmethod
     def parse(cls, row: Sequence[int]) -> StatusRow:
-        return cls(step=row[0], local_measured=bool(row[1]), local_norm=_float(row[2]), reduced_norm=_float(row[3]),
-                   local_fp=row[4], error=bool(row[5]))
+        return cls(step=row[0], local_measured=bool(row[1]), repeated=bool(row[2]), replayable=bool(row[3]),
+                   local_norm=_float(row[4]), reduced_norm=_float(row[5]), local_fp=row[6], error=bool(row[7]))
 
 
 def decide(rows: Sequence[StatusRow], ranks: Sequence[int], check_local: bool) -> Finding | None:

@@ -39,6 +39,9 @@ def attribute(outcome: Outcome) -> tuple[tuple[int, ...], dict[str, Any]]:
       explains every pair, the incident is ambiguous and names the candidates.
     """
     not_reproduced = sorted(p for p, ok in outcome.reproduced.items() if not ok)
+    if 2 * len(not_reproduced) > outcome.world:
+        return (), {"fault": "unfaithful", "ambiguous": True,
+                    "reason": "most ranks cannot reproduce their own step: the replay itself is not faithful"}
     if not_reproduced:
         return tuple(not_reproduced), {"fault": "transient", "ambiguous": False,
                                        "reason": "could not reproduce its own recorded result"}

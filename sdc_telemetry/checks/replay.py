@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -36,7 +37,8 @@ __all__ = ["ReplayCheck", "Measurement", "Outcome", "attribute", "pick_shifts", 
 
 _CALIBRATE_EVERY = 10  # audits between noise-floor recalibrations in tolerance="auto"
 _AUTO_FLOOR = 1e-5     # relative tolerance when reruns are bitwise identical
-_AUTO_FACTOR = 10.0    # threshold = factor x the largest same-rank rerun delta seen
+_AUTO_FACTOR = 10.0    # threshold = factor x the rerun noise floor
+_CALIBRATION_WINDOW = 5  # calibrations the noise floor is taken over
 
 
 def scaled(loss: torch.Tensor, scale: float) -> torch.Tensor:
@@ -88,6 +90,9 @@ class ReplayCheck:
         self._shifts = pick_shifts([identities[r].host_name if r in identities else str(r) for r in self._ranks])
         self._audits = 0
         self._capturing = False
+        self._replaying = False
+        self._floors: deque[float] = deque(maxlen=_CALIBRATION_WINDOW)
+        self._hook = module.register_forward_pre_hook(self._on_forward)
         self._micro: list[MicroBatch] = []
         self.errors: list[int] = []
         self.error_text = ""
@@ -101,6 +106,14 @@ class ReplayCheck:
         self._micro = []
         self._capturing = self.due(step)
 
+    def close(self) -> None:
+        self._hook.remove()
+        self._micro = []
+
+    def ready(self) -> bool:
+        """This rank holds a complete record of the step being audited (every micro-batch and its loss)."""
+        return self._capturing and bool(self._micro) and all(m.loss is not None for m in self._micro)
+
     def drop(self) -> None:
         self._micro = []
         self._capturing = False
@@ -113,6 +126,14 @@ class ReplayCheck:
         dev_rng = torch.cuda.get_rng_state(self._device) if self._device.type == "cuda" else None
         self._micro.append(MicroBatch(batch, torch.get_rng_state(), dev_rng, _autocast_state(self._device)))
 
+    def _on_forward(self, *_: Any) -> None:
+        """Forward pre-hook of the module: the autocast state the forward pass really runs under (users enter
+        autocast around the forward and leave it before backward, so neither micro_batch() nor backward() sees it)."""
+        if self._capturing and not self._replaying and self._micro and self._micro[-1].loss is None:
+            state = _autocast_state(self._device)
+            if state is not None:
+                self._micro[-1].autocast = state
+
     def record_loss(self, loss: torch.Tensor, scale: float) -> None:
         pending = [m for m in self._micro if m.loss is None]
         if not pending:
@@ -122,8 +143,10 @@ class ReplayCheck:
         mb = pending[0]
         mb.scale = float(scale)
         mb.loss = loss.detach().clone() if self._capturing else torch.empty(0)
-        if self._capturing and mb.autocast is None:
-            mb.autocast = _autocast_state(self._device)
+        if self._capturing:
+            mb.had_grad = [p.grad is not None for p in self._params]
+            if mb.autocast is None:
+                mb.autocast = _autocast_state(self._device)
 
     # -- the audit (pre optimizer step) --------------------------------------------------------------------------
 
@@ -141,10 +164,10 @@ class ReplayCheck:
 
         mine = {"micro": micro, "fp": int(local_fps[self._pos]), "norms": local_norms.detach().float().cpu()}
         outcome = Outcome(world)
+        if calibrate:  # before comparing, so the first audit already uses a measured threshold
+            self._calibrate(mine)
         edges, measured = self._cross_round(shift, mine, local_fps)
         outcome.edges += edges
-        if calibrate:
-            self._calibrate(mine)
         if self.errors:
             return None, measured
         if not edges:
@@ -158,6 +181,11 @@ class ReplayCheck:
         if self.errors:
             return None, measured
         suspects, why = attribute(outcome)
+        if why.get("fault") == "unfaithful":  # most ranks cannot reproduce themselves: replay is wrong, not hardware
+            self.errors = list(self._ranks)
+            self.error_text = ("replay could not reproduce the recorded step on most ranks (an unsupported pattern: "
+                               "state changed between the step and the audit, or nondeterminism in exact mode)")
+            return None, measured
         if not suspects:
             return None, measured
         evidence: dict[str, Any] = dict(why)
@@ -204,10 +232,13 @@ class ReplayCheck:
         """Same-rank rerun of this rank's own step: the noise floor of non-deterministic kernels."""
         row = self._compare(mine, mine["fp"])
         rows = gather_rows(row, self._group)
-        deltas = [max(_float(r[1]), _float(r[2])) for r in rows if r[3] == 0]
+        deltas = sorted(max(_float(r[1]), _float(r[2])) for r in rows if r[3] == 0)
         finite = [d for d in deltas if math.isfinite(d)]
         if finite:
-            self.noise_floor = max(self.noise_floor, max(finite))
+            # The median rank's rerun noise, over a window of recent calibrations: one faulty rank (or one bad
+            # calibration) cannot raise the threshold for good and blind the check.
+            self._floors.append(finite[len(finite) // 2])
+            self.noise_floor = max(self._floors)
             self.tolerance = min(max(_AUTO_FLOOR, _AUTO_FACTOR * self.noise_floor), 0.5)
 
     def _compare(self, record: dict[str, Any] | None, recorded_fp: int) -> torch.Tensor:
@@ -244,6 +275,7 @@ class ReplayCheck:
         cpu_rng = torch.get_rng_state()
         dev_rng = torch.cuda.get_rng_state(self._device) if self._device.type == "cuda" else None
         buffers = [(b, b.detach().clone()) for b in self._module.buffers()]
+        self._replaying = True
         try:
             total: list[torch.Tensor | None] = [None] * len(self._params)
             losses = []
@@ -259,6 +291,8 @@ class ReplayCheck:
                 for i, grad in enumerate(grads):
                     if grad is not None:
                         prev = total[i]
+                        if prev is None and mb.had_grad is not None and mb.had_grad[i]:
+                            prev = torch.zeros_like(grad)  # zero_grad(set_to_none=False): .grad = 0.0 + g
                         total[i] = grad if prev is None else prev + grad  # the order autograd accumulates .grad in
                 losses.append(float(loss.detach().double().item()))
             present = [g for g in total if g is not None]
@@ -269,6 +303,7 @@ class ReplayCheck:
                     norms[i] = torch.linalg.vector_norm(g).float().cpu()
             return _Result(losses, _wrap64(fp), norms)
         finally:
+            self._replaying = False
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)

@@ -47,6 +47,9 @@ class MicroBatch:
     autocast: tuple[bool, torch.dtype] | None
     scale: float = 1.0
     loss: torch.Tensor | None = None
+    # Which parameters already had a .grad when this micro-batch's backward ran: autograd then adds into it
+    # (0.0 + g turns -0.0 into +0.0), and the replay must add the same way to reproduce the bits.
+    had_grad: list[bool] | None = None
 
 
 def pack(record: dict[str, Any]) -> torch.Tensor:
@@ -54,7 +57,7 @@ def pack(record: dict[str, Any]) -> torch.Tensor:
         "fp": record["fp"],
         "norms": record["norms"],
         "micro": [{"batch": m.batch, "cpu_rng": m.cpu_rng, "dev_rng": m.dev_rng, "scale": m.scale,
-                   "loss": m.loss, "autocast": None if m.autocast is None else
+                   "loss": m.loss, "had_grad": m.had_grad, "autocast": None if m.autocast is None else
                    (m.autocast[0], str(m.autocast[1]).removeprefix("torch."))} for m in record["micro"]],
     }
     buf = io.BytesIO()
@@ -63,9 +66,15 @@ def pack(record: dict[str, Any]) -> torch.Tensor:
 
 
 def unpack(data: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    """Load a packed record: tensors that lived on an accelerator land on ``device``, CPU tensors (the batch as the
+    origin held it, RNG states, which ``set_rng_state`` wants on the CPU) stay on the CPU."""
     raw = data.cpu().numpy().tobytes()
-    plain = torch.load(io.BytesIO(raw), map_location=device, weights_only=True)
-    micro = [MicroBatch(batch=m["batch"], cpu_rng=m["cpu_rng"].cpu(), dev_rng=m["dev_rng"],
+
+    def place(storage: Any, location: str) -> Any:
+        return storage if location == "cpu" else storage.to(device)
+
+    plain = torch.load(io.BytesIO(raw), map_location=place, weights_only=True)
+    micro = [MicroBatch(batch=m["batch"], cpu_rng=m["cpu_rng"], dev_rng=m["dev_rng"], had_grad=m["had_grad"],
                          autocast=None if m["autocast"] is None else (m["autocast"][0],
                                                                       getattr(torch, m["autocast"][1])),
                          scale=m["scale"], loss=m["loss"]) for m in plain["micro"]]

@@ -5,6 +5,7 @@ One fingerprint pass over every parameter, one all-gather of a row of int64 per 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -16,6 +17,8 @@ from . import Finding
 from .vote import vote
 
 __all__ = ["WeightsCheck", "decide"]
+
+log = logging.getLogger("sdc_telemetry")
 
 _MAX_NAMES = 32  # evidence stays small enough for one log line and one JSONL record
 
@@ -33,10 +36,21 @@ class WeightsCheck:
     def measure(self) -> torch.Tensor:
         return fingerprint(self._params).squeeze(1) if self._params else torch.zeros(0, dtype=torch.int64)
 
-    def run(self, local: torch.Tensor | None = None) -> tuple[Finding | None, list[list[int]]]:
-        """Gather every rank's fingerprints (``local`` is this rank's, measured now when not given) and vote."""
-        rows = gather_rows(self.measure() if local is None else local, self._group)
-        return decide(rows, self._ranks, self.names), rows
+    def run(self) -> tuple[Finding | None, list[int]]:
+        """Measure, gather every rank's fingerprints and vote. Returns the finding and the ranks that could not
+        measure (a software failure is reported as such, never voted on as if it were corruption)."""
+        try:
+            fps = self.measure()
+            row = torch.cat([torch.zeros(1, dtype=torch.int64, device=fps.device), fps])
+        except Exception:  # contained and logged; the collective must still run on this rank
+            log.exception("sdc_telemetry: fingerprinting parameters failed (rank %d)", dist.get_rank())
+            row = torch.zeros(len(self._params) + 1, dtype=torch.int64)
+            row[0] = 1
+        rows = gather_rows(row, self._group)
+        failed = [self._ranks[i] for i, r in enumerate(rows) if r[0]]
+        if failed:
+            return None, failed
+        return decide([r[1:] for r in rows], self._ranks, self.names), []
 
 
 def decide(rows: Sequence[Sequence[int]], ranks: Sequence[int], names: Sequence[str]) -> Finding | None:

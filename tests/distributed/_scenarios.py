@@ -27,9 +27,10 @@ class Net(nn.Module):
         self.act = nn.GELU()
         self.drop = nn.Dropout(0.2)
         self.fc2 = nn.Linear(32, 4)
+        self.gain = nn.Parameter(torch.ones(4))  # used only through .sum(): its gradient is an expanded view
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.drop(self.act(self.norm(self.fc1(x)))))
+        return self.fc2(self.drop(self.act(self.norm(self.fc1(x))))) + 1e-3 * self.gain.sum()
 
 
 def loss_fn(module: nn.Module, batch: Any) -> torch.Tensor:
@@ -64,7 +65,9 @@ def _same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(sc.get("seed", 0))
     net = Net(batchnorm=sc.get("batchnorm", False))
-    ddp = DistributedDataParallel(net)
+    ddp = DistributedDataParallel(net, find_unused_parameters=sc.get("find_unused", False))
+    if sc.get("freeze_after_wrap"):
+        net.get_parameter(sc["freeze_after_wrap"]).requires_grad_(False)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     snapshots: list[dict[str, Any]] = []
     undisturbed: list[bool] = []
@@ -89,6 +92,8 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(1000 + rank)
     raised_at, raised_after_s = None, None
     accumulate = sc.get("accumulate", 1)
+    no_sync = sc.get("no_sync", True)
+    autocast = sc.get("autocast", False)
     start = time.monotonic()
     try:
         for _ in range(sc.get("steps", 8)):
@@ -96,16 +101,18 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
                      for _ in range(accumulate)]
             if accumulate == 1:
                 with monitor.step(micro[0]) as step:
-                    step.backward(loss_fn(ddp, micro[0]))
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # forward only
+                        loss = loss_fn(ddp, micro[0])
+                    step.backward(loss)
             else:
                 with monitor.step() as step:
                     for i, mb in enumerate(micro):
                         step.micro_batch(mb)
-                        ctx = contextlib.nullcontext() if i == accumulate - 1 else ddp.no_sync()
-                        with ctx:
+                        last = i == accumulate - 1 or not no_sync
+                        with contextlib.nullcontext() if last else ddp.no_sync():
                             step.backward(loss_fn(ddp, mb), scale=1 / accumulate)
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=sc.get("set_to_none", True))
     except sdc.SDCDetected as e:
         raised_at = e.incident.step
         raised_after_s = time.monotonic() - start

@@ -107,6 +107,25 @@ def test_two_replicas_separate_transient_from_persistent_compute_faults() -> Non
     assert all("batch['meta'][1]" in r["error"] and "builtins.object" in r["error"] for r in bad_batch)
 
 
+def test_common_training_loop_shapes_raise_no_false_alarm() -> None:
+    """Healthy loops that trip naive replays stay silent: accumulation without no_sync (replay skipped, said in the
+    log), zero_grad(set_to_none=False), parameters frozen after wrapping (still weight-checked), unused parameters,
+    and bf16 autocast around the forward pass only."""
+    scenarios = [
+        {"config": {"replay_every": 1}, "steps": 3, "accumulate": 2, "no_sync": False},
+        {"config": {"replay_every": 1}, "steps": 4, "set_to_none": False},
+        {"config": {"replay_every": 1}, "steps": 4, "find_unused": True, "freeze_after_wrap": "fc2.bias",
+         "fault": {"kind": "flip_weight_bit", "rank": 1, "step": 3, "param": "fc2.bias", "index": 0, "bit": 4}},
+        {"config": {"replay_every": 1}, "steps": 4, "autocast": True},
+    ]
+    no_sync, zeros, frozen, autocast = zip(*spawn_ranks(run_scenarios, 3, (scenarios,), timeout=180), strict=True)
+    for case in (no_sync, zeros, autocast):
+        assert all(not r["incidents"] for r in case), case[0]["incidents"]
+    # The frozen parameter's flip (before step 3's forward): replay sees the diverged replica, then the weight check.
+    assert _verdicts(frozen[0]) == [(3, "replay", (1,), False), (3, "weights", (1,), False)]
+    assert frozen[0]["incidents"][1]["evidence"]["differing_parameters"] == {"1": ["fc2.bias"]}
+
+
 def test_healthy_long_run_replay_tolerance_accumulation_and_no_side_effects() -> None:
     """Healthy 200 steps (dropout, AdamW, replay every 10) -> no incident; tolerance mode flags only perturbations
     above the tolerance; gradient accumulation replays all micro-batches; replay leaves weights, .grad, buffers and

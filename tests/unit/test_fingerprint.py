@@ -72,3 +72,9 @@ def test_rejects_sparse_tensors() -> None:
     """Sparse tensors get a TypeError naming the layout."""
     with pytest.raises(TypeError, match=r"sparse|layout"):
         sdc.fingerprint([torch.eye(3).to_sparse()])
+
+
+def test_expanded_views_are_fingerprinted_like_their_materialised_copy() -> None:
+    """A stride-0 (expanded) tensor, as autograd returns for x.sum(), fingerprints like its contiguous copy."""
+    e = torch.ones(1).expand(5)
+    assert torch.equal(sdc.fingerprint([e]), sdc.fingerprint([e.contiguous()]))
