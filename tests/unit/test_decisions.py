@@ -119,3 +119,18 @@ def test_check_shippable_names_the_offending_leaf() -> None:
     Pair = namedtuple("Pair", "a b")
     with pytest.raises(TypeError, match="Pair"):
         check_shippable(Pair(1, 2))
+
+
+def test_attribute_most_ranks_unreproducible_means_replay_is_unfaithful() -> None:
+    """When most ranks cannot reproduce themselves, no rank is blamed: the replay itself is wrong."""
+    suspects, why = attribute(Outcome(3, edges=[(0, 1), (1, 2)], reproduced={0: False, 1: False, 2: True}))
+    assert suspects == () and why["fault"] == "unfaithful"
+
+
+def test_status_row_carries_accumulation_and_capture_flags() -> None:
+    """repeated / replayable survive the gather, and comparable needs a measured, single-reduce step."""
+    params = [torch.nn.Parameter(torch.ones(3))]
+    record = grad.GradRecord(params, torch.device("cpu"))
+    record.repeated = True
+    parsed = grad.StatusRow.parse(grad.StatusRow.build(1, record, None, error=False, replayable=True).tolist())
+    assert parsed.repeated and parsed.replayable and not parsed.comparable
