@@ -3,12 +3,14 @@
     python benchmarks/overhead.py            # 2 ranks, 10M-parameter GPT, 10 interleaved rounds (~2-3 minutes)
     python benchmarks/overhead.py --quick    # tiny model, two short rounds (the smoke test)
 
-Configurations: no monitor; gradient checks only; gradient checks + weights every step; + replay every 50; + replay
-every 10. Each configuration trains its own copy of the same model (same seed, own optimizer, own DDP wrapper and
-monitor, built once: a DDP instance takes one comm hook, and two live DDP wrappers of one module would both
-all-reduce it). After ``warmup`` untimed steps each, the configurations take turns in the same process group, one
-segment of ``segment`` steps at a time (A B C D E, then E D C B A, ...), ``rounds`` times. A monitor keeps counting
-its own steps across segments, so replay every N audits every Nth step of its configuration whatever the segments.
+Configurations: no monitor; (diagnostic) no monitor but DDP's default all-reduce registered as a Python comm hook,
+the path the monitor's gradient hook wraps; gradient checks only; gradient checks + weights every step; + replay every
+50; + replay every 10. Each configuration trains its own copy of the same model (same seed, own optimizer, own DDP
+wrapper and monitor, built once: a DDP instance takes one comm hook, and two live DDP wrappers of one module would
+both all-reduce it). After ``warmup`` untimed steps each, the configurations take turns in the same process group, one
+segment of ``segment`` steps at a time (A B C D E F, then F E D C B A, ...), ``rounds`` times. A monitor keeps
+counting its own steps across segments, so replay every N audits every Nth step of its configuration whatever the
+segments.
 
 Reported, per configuration, as ratios to the baseline segment of the same round (median and interquartile range over
 rounds): the per-step cost, from each segment's median step (robust to bursts of load from elsewhere on the
@@ -42,6 +44,7 @@ TARGET_AUDIT_STEPS = 1.1
 MODEL = {"vocab": 8192, "dim": 384, "layers": 4, "heads": 6, "seq": 64}
 QUICK_MODEL = {"vocab": 128, "dim": 32, "layers": 1, "heads": 2, "seq": 8}
 BASELINE = "no monitor"
+HOOK = "no monitor, Python allreduce comm hook"
 WEIGHTS = "grad + weights/1"
 
 
@@ -49,6 +52,7 @@ def configurations(replay_every: Sequence[int]) -> list[tuple[str, dict[str, Any
     """(label, SDCConfig fields or None for no monitor), in interleaving order."""
     out: list[tuple[str, dict[str, Any] | None]] = [
         (BASELINE, None),
+        (HOOK, {}),  # diagnostic: what DDP's comm-hook path costs by itself (the monitor's checks run in one)
         ("grad checks", {"weights_every": 0, "replay_every": 0}),
         (WEIGHTS, {"weights_every": 1, "replay_every": 0}),
     ]
@@ -69,8 +73,12 @@ class _Run:
         self.module = GPT(**spec["model"]).to(device)
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-4)
         self.ddp = DistributedDataParallel(self.module, device_ids=[device.index] if device.type == "cuda" else None)
-        self.monitor = None if fields is None else sdc.SDCMonitor(
+        self.monitor = None if not fields else sdc.SDCMonitor(
             self.ddp, self.optimizer, loss_fn=lm_loss, config=sdc.SDCConfig(metrics_port=None, nvml=False, **fields))
+        if fields == {}:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            self.ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         self.step = 0  # steps taken, = the monitor's step index of the next step
 
     def train(self, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> float:
@@ -148,6 +156,8 @@ def _component_costs(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     parts["fingerprint(grads) (comm hook)"] = ms(lambda: sdc.fingerprint(grads))
     parts["_foreach_norm(grads) (comm hook; again for reduced norms)"] = ms(lambda: torch._foreach_norm(grads))
     parts["torch.sum per grad (one read, reference)"] = ms(lambda: [g.sum() for g in grads])
+    # With any comm hook, DDP copies gradients into the buckets undivided and the hook divides them: one more pass.
+    parts["div_ of grads (allreduce_hook's averaging pass)"] = ms(lambda: torch._foreach_div_(grads, 1.0))
     parts["AdamW step"] = ms(optimizer.step)  # last: it moves the weights
     return parts
 
