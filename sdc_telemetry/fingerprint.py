@@ -29,6 +29,10 @@ _WORD = 8
 
 
 def _word_sum(t: torch.Tensor) -> torch.Tensor:
+    # Fast path, nearly every parameter and gradient: contiguous, whole 8-byte words, 8-byte aligned.
+    if (t.layout == torch.strided and t.is_contiguous() and t.dtype != torch.bool and not t.is_quantized
+            and (t.numel() * t.element_size()) % _WORD == 0 and (t.storage_offset() * t.element_size()) % _WORD == 0):
+        return t.detach().view(-1).view(torch.int64).sum()
     if t.is_sparse or t.is_quantized or t.layout != torch.strided:
         raise TypeError(f"fingerprint supports dense strided tensors only, got layout={t.layout} dtype={t.dtype}")
     flat = t.detach().reshape(-1)

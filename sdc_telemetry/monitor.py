@@ -178,7 +178,7 @@ class SDCMonitor:
         self._step = self._next_step
         self._opened = True
         if self._record is not None:
-            self._record.reset()
+            self._record.reset(detail=self._replay is not None and self._replay.due(self._step))
         if self._replay is not None:
             self._replay.begin_step(self._step)
         return self._step
@@ -287,11 +287,11 @@ class SDCMonitor:
 
     def _with_nonfinite_names(self, finding: Finding) -> Finding:
         """Rare path, after a non-finite verdict that every rank shares: gather which parameters were affected."""
-        record = self._record
         mine: list[str] = []
         try:
-            norms = (record.norms if finding.check == "grad_local" and record is not None
-                     else grad_check.reduced_norms(self._params, self.device)).tolist()
+            # A non-finite local gradient spreads through the all-reduce element by element, so the reduced
+            # gradients name the same parameters (the local bucket was overwritten by the all-reduce).
+            norms = grad_check.reduced_norms(self._params, self.device).tolist()
             mine = [self._names[i] for i, n in enumerate(norms) if not math.isfinite(n)][:32]
         except Exception:  # noqa: BLE001
             self._internal_error("grad", "listing non-finite parameters failed")

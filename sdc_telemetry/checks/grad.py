@@ -30,7 +30,11 @@ CommHook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
 
 
 class GradRecord:
-    """Local-gradient measurements of the current step, filled bucket by bucket by the comm hook."""
+    """Local-gradient measurements of the current step, filled bucket by bucket by the comm hook.
+
+    Every step: one norm per bucket (one pass over the flat bucket: the non-finite test and the local norm). On
+    replay audit steps only (``detail``): also the per-parameter fingerprints and norms a replay compares against.
+    """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], device: torch.device) -> None:
         self._index = {id(p): i for i, p in enumerate(params)}
@@ -38,17 +42,24 @@ class GradRecord:
         self._idx_cache: dict[tuple[int, ...], torch.Tensor] = {}
         self.fp = torch.zeros(len(params), dtype=torch.int64, device=device)
         self.norms = torch.zeros(len(params), dtype=torch.float32, device=device)
+        self.bucket_norms: list[torch.Tensor] = []
         self.buckets = 0
         self.failed = False
         self.repeated = False
+        self.detail = False
+        self._detailed = False
         self._seen: set[int] = set()
 
-    def reset(self) -> None:
-        self.fp.zero_()
-        self.norms.zero_()
+    def reset(self, detail: bool = False) -> None:
+        if self._detailed:
+            self.fp.zero_()
+            self.norms.zero_()
+            self._detailed = False
+        self.bucket_norms = []
         self.buckets = 0
         self.failed = False
         self.repeated = False
+        self.detail = detail
         self._seen.clear()
 
     def measure(self, bucket: GradBucket) -> None:
@@ -57,11 +68,17 @@ class GradRecord:
             # holds an earlier reduced gradient plus a local one, which no replay can reproduce.
             self.repeated = True
         self._seen.add(bucket.index())
+        self.bucket_norms.append(torch.linalg.vector_norm(bucket.buffer()).float().reshape(1))
+        self.buckets += 1
+        if self.detail:
+            self._measure_parameters(bucket)
+
+    def _measure_parameters(self, bucket: GradBucket) -> None:
+        self._detailed = True
         # Parameters frozen after DDP was built still sit in its buckets: they are not checked.
         pairs = [(self._index[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True)
                  if id(p) in self._index]
         if not pairs:
-            self.buckets += 1
             return
         grads = [g for _, g in pairs]
         key = tuple(i for i, _ in pairs)
@@ -70,13 +87,14 @@ class GradRecord:
             idx = self._idx_cache[key] = torch.tensor(key, dtype=torch.int64, device=self._device)
         self.fp.index_copy_(0, idx, fingerprint(grads).squeeze(1))
         self.norms.index_copy_(0, idx, torch.stack(torch._foreach_norm(grads)).float())
-        self.buckets += 1
 
     def total_fp(self) -> torch.Tensor:
+        """Sum of the per-parameter fingerprints (order-independent); meaningful on ``detail`` steps."""
         return self.fp.sum()
 
     def total_norm(self) -> torch.Tensor:
-        norm: torch.Tensor = torch.linalg.vector_norm(self.norms)
+        norm: torch.Tensor = torch.linalg.vector_norm(torch.cat(self.bucket_norms)) if self.bucket_norms \
+            else torch.tensor(math.nan, device=self._device)
         return norm
 
 
