@@ -103,7 +103,7 @@ def _random(numel: int, dtype: torch.dtype, device: torch.device, gen: torch.Gen
 
 def run(sizes_mib: Sequence[float] = SIZES_MIB, dtypes: Sequence[str] = tuple(DTYPES), list_layers: int = 12,
         list_dim: int = 768, list_vocab: int = 50257, small_count: int = 1000, small_numel: int = 64,
-        device: str = "cpu", min_time: float = 0.3,
+        device: str = "cpu", min_time: float = 0.5,
         sha1_max_mib: float = 256, out_dir: str | Path | None = None, quiet: bool = False) -> dict[str, Any]:
     """Measure, print the tables, write ``fingerprint.json``; return the payload."""
     dev = torch.device(device)
@@ -183,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks that the benchmark runs")
-    p.add_argument("--min-time", type=float, default=0.3, help="seconds of repetitions per figure (default 0.3)")
+    p.add_argument("--min-time", type=float, default=0.5, help="seconds of repetitions per method (default 0.5)")
     p.add_argument("--sizes-mib", type=float, nargs="+", help="tensor sizes in MiB (default 1 16 256 1024)")
     p.add_argument("--out-dir", help="where fingerprint.json goes (default benchmarks/results)")
     a = p.parse_args(argv)
