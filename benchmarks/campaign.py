@@ -283,10 +283,31 @@ def score(trials: list[dict[str, Any]], results: dict[int, dict[str, Any]], step
                            "latency_median": median(lat) if lat else None, "latency_max": max(lat) if lat else None,
                            "latencies": lat})
     per_1000 = {c: 1000 * n / healthy_rank_steps if healthy_rank_steps else None for c, n in false_by_check.items()}
+    upper = {c: 1000 * poisson_upper(n, healthy_rank_steps) for c, n in false_by_check.items()}
     return {"rows": table_rows, "healthy_rank_steps": healthy_rank_steps, "false_incidents": false_by_check,
             "false_incidents_per_1000_rank_steps": per_1000,
+            "false_incidents_per_1000_upper95": upper,
             "false_incidents_total_per_1000": 1000 * sum(false_by_check.values()) / max(healthy_rank_steps, 1),
             "errors": errors}
+
+
+def poisson_upper(k: int, exposure: float, confidence: float = 0.95) -> float:
+    """One-sided upper confidence bound on a Poisson rate after ``k`` events in ``exposure`` (3/n when k = 0)."""
+    if exposure <= 0:
+        return math.nan
+
+    def cdf(lam: float) -> float:
+        term = total = math.exp(-lam)
+        for i in range(1, k + 1):
+            term *= lam / i
+            total += term
+        return total
+
+    lo, hi = float(k), float(k) + 10.0 + 10.0 * math.sqrt(k + 1)
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) > 1 - confidence else (lo, mid)
+    return hi / exposure
 
 
 # -- driver ---------------------------------------------------------------------------------------------------------
@@ -330,9 +351,10 @@ def run(trials: int = 240, seed: int = 0, world: int = 3, steps: int = 10, repla
               title=f"Fault-injection campaign: {trials} trials, seed {seed}, {world} ranks, {steps} steps each, "
                     f"weights_every=1, replay_every={replay_every}"))
     say()
-    say(table(["check", "false incidents", "healthy rank-steps", "per 1,000 rank-steps"],
+    say(table(["check", "false incidents", "healthy rank-steps", "per 1,000 rank-steps", "95% upper bound"],
               [[c, s["false_incidents"][c], s["healthy_rank_steps"],
-                s["false_incidents_per_1000_rank_steps"][c] or 0.0] for c in CHECKS],
+                s["false_incidents_per_1000_rank_steps"][c] or 0.0, s["false_incidents_per_1000_upper95"][c]]
+               for c in CHECKS],
               title="False incidents (healthy runs and the steps before each fault)"))
     say()
     if s["errors"]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -95,6 +96,15 @@ def test_campaign_quick_scores_every_fault_kind(bench, tmp_path, capsys):
         assert r["right"] + r["ambiguous"] <= r["detected"]
     assert data["healthy_rank_steps"] > 0
     assert set(data["false_incidents_per_1000_rank_steps"]) == set(campaign.CHECKS)
+    assert set(data["false_incidents_per_1000_upper95"]) == set(campaign.CHECKS)
+
+
+def test_poisson_upper_bound(bench):
+    """No events in n trials bounds the rate by ln(20)/n, about 3/n (the rule of three); more events raise it."""
+    campaign = bench("campaign")
+    assert campaign.poisson_upper(0, 1000) == pytest.approx(math.log(20) / 1000, rel=1e-3)
+    assert campaign.poisson_upper(1, 1000) == pytest.approx(4.744 / 1000, rel=1e-3)
+    assert campaign.poisson_upper(5, 1000) > campaign.poisson_upper(1, 1000)
 
 
 def test_campaign_plan_is_seeded_and_stratified(bench):
