@@ -172,12 +172,14 @@ def _component_costs(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     parts = {"forward+backward (one rank, no DDP)": ms(fwd_bwd)}
     grads = [p.grad for p in params if p.grad is not None]
-    parts["fingerprint(params) (weights check)"] = ms(lambda: sdc.fingerprint(params))
-    parts["fingerprint(grads) (comm hook)"] = ms(lambda: sdc.fingerprint(grads))
-    parts["_foreach_norm(grads) (comm hook; again for reduced norms)"] = ms(lambda: torch._foreach_norm(grads))
-    parts["torch.sum per grad (one read, reference)"] = ms(lambda: [g.sum() for g in grads])
+    flat = torch.cat([g.reshape(-1) for g in grads])  # like a DDP bucket: one flat buffer
+    parts["torch.sum of every gradient (one read: the reference pass)"] = ms(lambda: [g.sum() for g in grads])
+    parts["sdc.fingerprint(parameters)"] = ms(lambda: sdc.fingerprint(params))
+    parts["sdc.fingerprint(gradients)"] = ms(lambda: sdc.fingerprint(grads))
+    parts["torch._foreach_norm(gradients)"] = ms(lambda: torch._foreach_norm(grads))
+    parts["torch.linalg.vector_norm(one flat buffer of all gradients)"] = ms(lambda: torch.linalg.vector_norm(flat))
     # With any comm hook, DDP copies gradients into the buckets undivided and the hook divides them: one more pass.
-    parts["div_ of grads (allreduce_hook's averaging pass)"] = ms(lambda: torch._foreach_div_(grads, 1.0))
+    parts["div_ of every gradient (the averaging pass of allreduce_hook)"] = ms(lambda: torch._foreach_div_(grads, 1.0))
     parts["AdamW step"] = ms(optimizer.step)  # last: it moves the weights
     return parts
 
