@@ -148,20 +148,36 @@ def environment() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "busy_cpus_before": busy_cpus(0.2),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
 
+def busy_cpus(window_s: float = 0.5) -> float | None:
+    """How many CPUs other work keeps busy right now (from /proc/stat over ``window_s``); None where unknown."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
+        return sum(v[:8]) - idle, sum(v[:8])
+
+    try:
+        busy0, total0 = sample()
+        time.sleep(window_s)
+        busy1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    cpus = os.cpu_count() or 1
+    return cpus * (busy1 - busy0) / max(total1 - total0, 1)
+
+
 def load_warning() -> str | None:
     """A line to print when other work is running on the machine (its timings would be unreliable)."""
-    if not hasattr(os, "getloadavg"):
+    busy = busy_cpus()
+    if busy is None or busy < 0.25 * (os.cpu_count() or 1):
         return None
-    load = os.getloadavg()[0]
-    cpus = os.cpu_count() or 1
-    if load > 0.5 * cpus:
-        return (f"warning: load average {load:.1f} on {cpus} CPUs before the run: other work is competing, "
-                "timings are unreliable")
-    return None
+    return (f"warning: other work keeps {busy:.1f} of {os.cpu_count()} CPUs busy before the run: timings are "
+            "unreliable (see the spread)")
 
 
 def write_json(name: str, payload: dict[str, Any], out_dir: Path | str | None = None) -> Path:
