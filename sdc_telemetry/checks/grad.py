@@ -39,7 +39,6 @@ class GradRecord:
     def __init__(self, params: Sequence[torch.nn.Parameter], device: torch.device) -> None:
         self._index = {id(p): i for i, p in enumerate(params)}
         self._device = device
-        self._idx_cache: dict[tuple[int, ...], torch.Tensor] = {}
         self.fp = torch.zeros(len(params), dtype=torch.int64, device=device)
         self.norms = torch.zeros(len(params), dtype=torch.float32, device=device)
         self.bucket_norms: list[torch.Tensor] = []
@@ -82,9 +81,7 @@ class GradRecord:
             return
         grads = [g for _, g in pairs]
         key = tuple(i for i, _ in pairs)
-        idx = self._idx_cache.get(key)
-        if idx is None:  # buckets are fixed after DDP's first-iteration rebuild: a handful of entries in all
-            idx = self._idx_cache[key] = torch.tensor(key, dtype=torch.int64, device=self._device)
+        idx = _index_tensor(key, self._device)
         self.fp.index_copy_(0, idx, fingerprint(grads).squeeze(1))
         self.norms.index_copy_(0, idx, torch.stack(torch._foreach_norm(grads)).float())
 
@@ -122,7 +119,16 @@ def comm_hook(state: CommHookState, bucket: GradBucket) -> torch.futures.Future[
 comm_hook.__annotations__ = {}
 
 
-_IDX: dict[tuple[int, ...], torch.Tensor] = {}
+_INDEX_TENSORS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def _index_tensor(key: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``key`` as an index tensor on ``device``, made once: no host-to-device copy per step. Bucket layouts are
+    fixed after DDP's first-iteration rebuild, so there are a handful of keys in all."""
+    idx = _INDEX_TENSORS.get((key, device))
+    if idx is None:
+        idx = _INDEX_TENSORS[(key, device)] = torch.tensor(key, dtype=torch.int64, device=device)
+    return idx
 
 
 def reduced_norms(params: Sequence[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
@@ -130,10 +136,7 @@ def reduced_norms(params: Sequence[torch.nn.Parameter], device: torch.device) ->
     out = torch.zeros(len(params), dtype=torch.float32, device=device)
     with_grad = [(i, p.grad) for i, p in enumerate(params) if p.grad is not None]
     if with_grad:
-        key = tuple(i for i, _ in with_grad)
-        idx = _IDX.get(key)
-        if idx is None or idx.device != device:  # no host-to-device copy per step
-            idx = _IDX[key] = torch.tensor(key, dtype=torch.int64, device=device)
+        idx = _index_tensor(tuple(i for i, _ in with_grad), device)
         grads = [g for _, g in with_grad]
         out.index_copy_(0, idx, torch.stack(torch._foreach_norm(grads)).float().to(device))
     return out
