@@ -38,6 +38,9 @@ class SDCConfig:
     - ``incident_dir``: where rank 0 appends ``incidents.jsonl`` (``None``: incidents are logged and kept in memory).
     - ``nvml``: read GPU counters through NVML when a GPU is present.
     - ``job_name``: ``service.name`` of every metric series.
+    - ``alertmanager_url``: base URL of an Alertmanager (``http://alertmanager:9093``) or ``None``. The first rank of
+      the replica group posts each incident with suspects to its v2 API directly (one alert per suspect), so the page
+      does not depend on Prometheus scraping a job that is stopping.
     """
 
     weights_every: int = 1
@@ -52,6 +55,7 @@ class SDCConfig:
     incident_dir: str | None = None
     nvml: bool = True
     job_name: str = "training"
+    alertmanager_url: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("weights_every", "replay_every"):
@@ -76,6 +80,9 @@ class SDCConfig:
                 raise ValueError(f"SDCConfig.{name} must be a non-empty string, got {getattr(self, name)!r}")
         if self.otlp_endpoint is not None and not str(self.otlp_endpoint).startswith(("http://", "https://")):
             raise ValueError(f"SDCConfig.otlp_endpoint must be an http(s) URL or None, got {self.otlp_endpoint!r}")
+        url = self.alertmanager_url
+        if url is not None and (not isinstance(url, str) or not url.startswith(("http://", "https://"))):
+            raise ValueError(f"SDCConfig.alertmanager_url must be an http(s) base URL or None, got {url!r}")
         if self.incident_dir is not None and not isinstance(self.incident_dir, (str, os.PathLike)):
             raise ValueError(f"SDCConfig.incident_dir must be a path or None, got {self.incident_dir!r}")
 
@@ -98,7 +105,7 @@ class SDCConfig:
 
 _INT_FIELDS = {"weights_every", "replay_every"}
 _BOOL_FIELDS = {"grad_checks", "nvml"}
-_OPTIONAL_FIELDS = {"metrics_port", "otlp_endpoint", "incident_dir"}
+_OPTIONAL_FIELDS = {"metrics_port", "otlp_endpoint", "incident_dir", "alertmanager_url"}
 
 
 def _parse(var: str, raw: str, name: str) -> Any:

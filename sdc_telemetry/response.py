@@ -20,12 +20,16 @@ log = logging.getLogger("sdc_telemetry")
 INCIDENT_FILE = "incidents.jsonl"
 
 
-@dataclass(frozen=True)
+@dataclass
 class Incident:
-    """One verdict of one check at one step, identical on every rank.
+    """One episode of one check: opened at ``step``, identical on every rank.
 
-    ``evidence`` is JSON-serialisable: the fingerprints or values that disagreed, and the check's reasoning
-    (``ambiguous``, ``verdict``...).
+    ``evidence`` is JSON-serialisable and bounded in size: the fingerprints or values that disagreed, and the check's
+    reasoning (``ambiguous``, ``verdict``...). ``evidence["verdict"] == "numerics"`` with no suspects is a numerics
+    event (every rank non-finite at once: overflow, a bad batch, divergence), never a hardware suspect.
+
+    One fault is one incident: while later steps find the same check naming the same suspects, the episode is
+    updated (``count`` findings so far, ``last_step``) instead of a new incident being opened.
     """
 
     step: int
@@ -34,6 +38,17 @@ class Incident:
     suspects: tuple[RankIdentity, ...]
     evidence: dict[str, Any] = field(default_factory=dict)
     time_unix: float = field(default_factory=time.time)
+    count: int = 1
+    last_step: int = -1
+
+    def __post_init__(self) -> None:
+        if self.last_step < 0:
+            self.last_step = self.step
+
+    @property
+    def numerics(self) -> bool:
+        """Every rank non-finite at once: recorded and counted, never raised or paged as a node."""
+        return not self.suspect_ranks and self.evidence.get("verdict") == "numerics"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -43,6 +58,8 @@ class Incident:
             "suspects": [s.to_dict() for s in self.suspects],
             "evidence": self.evidence,
             "time_unix": self.time_unix,
+            "count": self.count,
+            "last_step": self.last_step,
         }
 
     def describe(self) -> str:
@@ -52,6 +69,9 @@ class Incident:
         extra = " (ambiguous)" if self.evidence.get("ambiguous") else ""
         verdict = self.evidence.get("verdict")
         what = f" verdict={verdict}" if verdict else ""
+        if self.numerics:
+            return (f"SDC numerics event: check={self.check} step={self.step}: non-finite gradients on every rank "
+                    "(overflow, a bad batch or divergence; not a hardware suspect)")
         return f"SDC incident: check={self.check} step={self.step}{what} suspects{extra}: {who}"
 
 
