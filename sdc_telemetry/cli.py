@@ -1,4 +1,5 @@
-"""``sdc-telemetry``: the demo, and regeneration of the checked-in dashboards and alert rules."""
+"""``sdc-telemetry``: the demo, the responder that drains a paged node, checkpoint verification, and regeneration
+of the checked-in dashboards and alert rules."""
 
 from __future__ import annotations
 
@@ -161,6 +162,96 @@ def regenerate(kind: str, out: str | None) -> int:
     return 0
 
 
+def _respond_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", required=True, metavar="HOST:PORT",
+                   help="where Alertmanager's webhook posts (POST /alerts or /; GET /healthz)")
+    p.add_argument("--command", required=True, metavar="TEMPLATE", dest="template",
+                   help="command run once per paged host, split like a shell line, run without a shell; "
+                        "placeholders {host_name} {rank} {hw_id} {alertname}")
+    p.add_argument("--max-actions-per-hour", type=int, default=3,
+                   help="refuse (and log) further actions past this many in any hour (default: %(default)s)")
+    p.add_argument("--dry-run", action="store_true", help="log the command instead of running it")
+    p.add_argument("--state", default=None, metavar="FILE",
+                   help="JSON file remembering the hosts acted on across restarts (default: memory only)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per command run (default: %(default)s)")
+
+
+def respond(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+
+    from .respond import Responder, TemplateError, parse_listen
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        host, port = parse_listen(args.listen)
+        responder = Responder(args.template, host=host, port=port, max_actions_per_hour=args.max_actions_per_hour,
+                              dry_run=args.dry_run, state_file=args.state, timeout_s=args.timeout)
+    except TemplateError as e:
+        print(f"sdc-telemetry respond: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"sdc-telemetry respond: {str(e).replace('max_actions_per_hour', '--max-actions-per-hour')}",
+              file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"sdc-telemetry respond: cannot listen on {args.listen}: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print(f"sdc-telemetry respond: listening on {responder.url} (POST /alerts, GET /healthz)", flush=True)
+    try:
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        responder.close()
+    return 0
+
+
+def verify_checkpoint(path: str, key: str | None) -> int:
+    import torch
+
+    from .certificate import WeightCertificate
+
+    def fail(msg: str) -> int:
+        print(f"sdc-telemetry verify-checkpoint: {path}: {msg}", file=sys.stderr)
+        return 2
+
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is reported the same way
+        return fail(f"cannot load with torch.load(weights_only=True): {type(e).__name__}: {e}")
+    if not isinstance(ckpt, dict):
+        return fail(f"the checkpoint is a {type(ckpt).__name__}, not a dict holding 'sdc_certificate'")
+    if "sdc_certificate" not in ckpt:
+        return fail("no 'sdc_certificate' entry: save cert.to_dict() from monitor.certificate() with the model")
+    try:
+        cert = WeightCertificate.from_dict(ckpt["sdc_certificate"])
+    except ValueError as e:
+        return fail(f"malformed certificate: {e}")
+    if key is not None and key not in ckpt:
+        return fail(f"no entry {key!r} (entries: {', '.join(map(str, ckpt))})")
+    name = key if key is not None else ("model" if "model" in ckpt else None)
+    state = ckpt[name] if name is not None else {k: v for k, v in ckpt.items() if k != "sdc_certificate"}
+    if not isinstance(state, dict):
+        return fail(f"entry {name!r} is a {type(state).__name__}, not a state dict")
+    try:
+        bad = cert.verify(state)
+    except ValueError as e:
+        return fail(str(e))
+    n = len(cert.fingerprints)
+    if not bad:
+        print(f"intact: {n} tensors verified (step {cert.step})")
+        return 0
+    print(f"CORRUPT: {len(bad)} of {n} tensors differ from the certificate of step {cert.step} "
+          f"(changed, missing, or of another shape or dtype):")
+    for b in bad:
+        print(f"  {b}")
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sdc-telemetry", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -168,9 +259,18 @@ def main(argv: list[str] | None = None) -> int:
     for kind in ("dashboards", "alerts"):
         p = sub.add_parser(kind, help=f"regenerate the checked-in {kind}")
         p.add_argument("--out", default=None, help=f"output directory (default: the repository's {kind}/)")
+    _respond_args(sub.add_parser("respond", help="Alertmanager webhook receiver that drains the paged node"))
+    p = sub.add_parser("verify-checkpoint", help="check a checkpoint's weights against its SDC weight certificate")
+    p.add_argument("path", help="a torch.save'd dict holding 'sdc_certificate' and the model state dict")
+    p.add_argument("--key", default=None,
+                   help="entry holding the state dict (default: 'model', else the top-level dict itself)")
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo(args)
+    if args.command == "respond":
+        return respond(args)
+    if args.command == "verify-checkpoint":
+        return verify_checkpoint(args.path, args.key)
     return regenerate(args.command, args.out)
 
 
