@@ -216,6 +216,7 @@ class _Handler(BaseHTTPRequestHandler):
             responder._count("rejected_bodies")
             self._reply(400, {"error": reason})
             return
+        responder._count("notifications")
         try:
             outcome = responder.handle(pages)
         except Exception as e:  # the server outlives any one notification
@@ -257,7 +258,8 @@ class Responder:
         self._acted: dict[str, dict[str, Any]] = {}  # host -> {"at", "alertname", "argv"}
         self._busy: set[str] = set()  # hosts whose command is running now
         self._window: deque[float] = deque()  # start times of recent actions
-        self._counts = {"actions": 0, "refusals": 0, "failures": 0, "rejected_bodies": 0, "rejected_hosts": 0}
+        self._counts = {"actions": 0, "refusals": 0, "failures": 0, "rejected_bodies": 0, "rejected_hosts": 0,
+                        "notifications": 0}
         self.refused: list[dict[str, Any]] = []  # the most recent refusals, for /healthz and tests
         self._load_state()
 
@@ -297,9 +299,10 @@ class Responder:
     # -- decisions ---------------------------------------------------------------------------------------------
 
     def health(self) -> dict[str, Any]:
-        """Counts for ``GET /healthz``: actions (commands started, or logged in a dry run), refusals (over the
-        hourly cap), failures (commands that did not succeed), rejected_bodies (HTTP 4xx), rejected_hosts (a host
-        name starting with ``-``, a NUL in a label), hosts_acted_on, and the hosts."""
+        """Counts for ``GET /healthz``: notifications (well-formed bodies received), actions (commands started,
+        or logged in a dry run), refusals (over the hourly cap), failures (commands that did not succeed),
+        rejected_bodies (HTTP 4xx), rejected_hosts (a host name starting with ``-``, a NUL in a label),
+        hosts_acted_on, and the hosts."""
         with self._lock:
             now = self._clock()
             return {"status": "ok", **self._counts, "hosts_acted_on": len(self._acted), "hosts": sorted(self._acted),
