@@ -1,14 +1,22 @@
-"""Prometheus alert rules, their promtool unit tests and the Alertmanager routing, generated from the metric table.
+"""Prometheus alert and recording rules and the Alertmanager routing, generated from the metric table.
 
-``generate(out_dir)`` writes ``sdc-rules.yml``, ``sdc-rules.test.yml`` and ``alertmanager.yml`` (checked in under
-``alerts/``; ``sdc-telemetry alerts`` regenerates them). Names, severities and labels are the contract of DESIGN.md
-section 5.
+``generate(out_dir)`` writes ``sdc-rules.yml`` and ``alertmanager.yml`` (checked in under ``alerts/``;
+``sdc-telemetry alerts`` regenerates them). Alert names, severities and labels are a contract: on-call routing,
+the responder and the direct push (``sdc_telemetry.pager``) rely on them.
 
-Why the expressions look the way they do: a corruption is usually a one-step event. ``sdc_suspect`` latches for the
-life of the process and the counters are the event record, but a counter created by the event itself has 1 as its
-first sample, which ``increase()`` cannot see, and a process that stops right after the incident (``on_suspect=
-"raise"``) is scraped a last time at best. So each SDC alert fires while any sample of the latched gauge or of the
-counter within ``EVENT_WINDOW`` is non-zero: one scrape of the event pages, and the page survives the process.
+Why the expressions look the way they do:
+
+* Pages are for hardware suspects only. The monitor latches ``sdc_suspect{check}`` to 1 on a rank that a minority
+  vote named; a numerics event (NaN/Inf on every rank at once: overflow, a bad batch, divergence) never sets it.
+  The raw non-finite counters therefore never page: when they rise on every rank step after step,
+  ``SDCTrainingNonFinite`` warns the job's owner instead.
+* A corruption is usually a one-step event, and a process that stops right after it (``on_suspect="raise"``) is
+  scraped a last time at best. So each critical alert fires while any sample of the latched gauge within
+  ``EVENT_WINDOW`` is 1: one scrape of the event pages, and the page survives the process.
+* ``suspect_alert()`` builds the labels and annotations of a critical alert from the same data as its rule, so an
+  alert pushed straight to Alertmanager by the monitor and the rule's alert for the same rank are one alert there.
+* Recording rules (``sdc:...``) roll the per-rank series up to host and job, so that the overview dashboard reads a
+  few thousand series instead of every rank's at 16,384 ranks.
 """
 
 from __future__ import annotations
@@ -23,15 +31,18 @@ import yaml
 
 from .metrics import family
 
-__all__ = ["AlertRule", "RULES", "RULES_FILE", "TESTS_FILE", "ALERTMANAGER_FILE", "EVENT_WINDOW", "STALE_AFTER",
-           "rules_document", "rules_yaml", "alertmanager_config", "rule_tests_document", "checks_stalled_expr",
-           "generate", "runbook_anchor"]
+__all__ = ["AlertRule", "RecordingRule", "RULES", "RECORDING_RULES", "SUSPECT_ALERTS", "RULES_FILE", "TESTS_FILE",
+           "ALERTMANAGER_FILE", "RUNBOOK", "SCRAPE_JOB", "RANK_LABELS", "EVENT_WINDOW", "STALE_AFTER", "FAILING_FOR",
+           "RESPONDER_URL", "rules_document", "rules_yaml", "alertmanager_config", "checks_stalled_expr",
+           "suspect_alert", "render_template", "generate", "runbook_anchor"]
 
 RULES_FILE = "sdc-rules.yml"
-TESTS_FILE = "sdc-rules.test.yml"
+TESTS_FILE = "sdc-rules.test.yml"  # promtool unit tests, written by the test suite (tests/promtool)
 ALERTMANAGER_FILE = "alertmanager.yml"
 RUNBOOK = "docs/runbook.md"
 SCRAPE_JOB = "sdc"
+# Where the shipped routing sends critical SDC alerts besides the pager: `sdc-telemetry respond` drains the node.
+RESPONDER_URL = "http://sdc-responder:9095/alerts"
 
 # How long one scraped sample of an SDC event keeps its alert firing (after the process is gone).
 EVENT_WINDOW = "15m"
@@ -39,20 +50,36 @@ EVENT_WINDOW = "15m"
 # weight check every weights_every steps (default 1), the replay every replay_every steps (default 100): raise these
 # (and regenerate) for jobs with slow steps or sparse cadences.
 STALE_AFTER: dict[str, str] = {"grad_local": "10m", "grad_reduced": "10m", "weights": "30m", "replay": "2h"}
+# A check that could not run (error/skipped) with no pass or fail for this long is failing: the rank is unprotected.
+FAILING_FOR = "30m"
+# SDCTrainingNonFinite: the share of steps with non-finite gradients on every rank, sustained for NONFINITE_FOR.
+NONFINITE_SHARE = 0.5
+NONFINITE_FOR = "10m"
+# Rate window of the recording rules (and of the SDCTrainingNonFinite ratio).
+ROLLUP_WINDOW = "5m"
 
 _STEPS = family("sdc_steps_total").name
+_CHECKS = family("sdc_checks_total").name
+_DURATION = family("sdc_check_duration_seconds").name
 _SUSPECT = family("sdc_suspect").name
 _LAST_RUN = family("sdc_check_last_run_timestamp_seconds").name
 _NONFINITE = family("sdc_grad_nonfinite_total").name
+_NORM = family("sdc_grad_norm").name
+_REPLAY_MISMATCHES = family("sdc_replay_mismatches_total").name
+_AGREEMENT = family("sdc_weight_fingerprint_agreement").name
 _WEIGHT_MISMATCHES = family("sdc_weight_fingerprint_mismatches_total").name
+_INCIDENTS = family("sdc_incidents_total").name
+_ERRORS = family("sdc_internal_errors_total").name
+_CLOSED = family("sdc_monitor_closed").name
 _ECC = family("hw_errors_total").name
 _XID = family("gpu_xid_errors_total").name
 
-# Labels an alert about one rank carries (DESIGN.md section 4 identity labels, less the instance id).
+# Labels an alert about one rank carries (the metrics' identity labels, less the per-process instance id).
 RANK_LABELS = ("service_name", "host_name", "rank", "local_rank", "hw_id")
 _JOIN = "service_name, host_name, rank, hw_id"
 _BY = ", ".join(RANK_LABELS)
 _WHO = "rank {{ $labels.rank }} on host {{ $labels.host_name }} (GPU {{ $labels.hw_id }})"
+_TARGET = f'job="{SCRAPE_JOB}"'
 
 
 def runbook_anchor(alert: str) -> str:
@@ -70,35 +97,55 @@ class AlertRule:
     for_: str = "0s"
     labels: Mapping[str, str] = field(default_factory=dict)
 
-    def to_rule(self, runbook_base: str) -> dict[str, Any]:
+    def rule_labels(self) -> dict[str, str]:
+        """The labels the rule adds to every alert it fires (severity first)."""
+        return {"severity": self.severity, **self.labels}
+
+    def annotations(self, runbook_base: str = RUNBOOK) -> dict[str, str]:
+        """The annotation templates (``{{ $labels.x }}`` still in them)."""
+        return {"summary": self.summary, "description": self.description,
+                "runbook_url": f"{runbook_base}#{runbook_anchor(self.name)}"}
+
+    def to_rule(self, runbook_base: str = RUNBOOK) -> dict[str, Any]:
         rule: dict[str, Any] = {"alert": self.name, "expr": self.expr}
         if self.for_ != "0s":
             rule["for"] = self.for_
-        rule["labels"] = {"severity": self.severity, **self.labels}
-        rule["annotations"] = {"summary": self.summary, "description": self.description,
-                               "runbook_url": f"{runbook_base}#{runbook_anchor(self.name)}"}
+        rule["labels"] = self.rule_labels()
+        rule["annotations"] = self.annotations(runbook_base)
         return rule
 
 
-def _seen(selector: str, by: str = _BY) -> str:
-    """Max over the event window of every sample of ``selector``, per rank: non-zero once one scrape saw an event."""
-    return f"max by ({by}) (max_over_time({selector}[{EVENT_WINDOW}]))"
+@dataclass(frozen=True)
+class RecordingRule:
+    record: str
+    expr: str
+
+    def to_rule(self) -> dict[str, Any]:
+        return {"record": self.record, "expr": self.expr}
 
 
 def _sel(name: str, **matchers: str) -> str:
-    """``name{k="v", ...}``."""
-    inner = ", ".join(f'{k}="{v}"' for k, v in matchers.items())
+    """``name{k="v", ...}``; a value starting with ``~`` becomes a regex matcher (``k=~"v"``)."""
+    inner = ", ".join(f'{k}=~"{v[1:]}"' if v.startswith("~") else f'{k}="{v}"' for k, v in matchers.items())
     return f"{name}{{{inner}}}" if inner else name
 
 
-def _suspected(check: str) -> str:
-    return f"{_seen(_sel(_SUSPECT, check=check))} > 0"
+def _seconds(duration: str) -> int:
+    value, unit = int(duration[:-1]), duration[-1]
+    return value * {"s": 1, "m": 60, "h": 3600, "d": 86400}[unit]
+
+
+def _increased(selector: str, window: str) -> str:
+    """Series of ``selector`` that counted within ``window``, including a counter born in it: the event that
+    creates a counter makes its first sample 1, which ``increase()`` cannot see."""
+    return (f"(\n    increase({selector}[{window}]) > 0\n    or\n"
+            f"    ({selector} > 0 unless {selector} offset {window})\n  )")
 
 
 def checks_stalled_expr(matchers: str = "") -> str:
     """Ranks whose steps advance while a check's last run is older than ``STALE_AFTER`` (value: age in seconds).
 
-    ``matchers`` (``service_name=~"$job"``) narrows every selector; the dashboards reuse this expression.
+    ``matchers`` (``service_name=~"$job"``) narrows every selector.
     """
     sep = ", " if matchers else ""
     by_age: dict[str, list[str]] = {}
@@ -113,55 +160,94 @@ def checks_stalled_expr(matchers: str = "") -> str:
     return f"(\n  {stale}\n)\nand on ({_JOIN})\nmax by ({_BY}) (increase({steps}[10m])) > 0"
 
 
-def _seconds(duration: str) -> int:
-    value, unit = int(duration[:-1]), duration[-1]
-    return value * {"s": 1, "m": 60, "h": 3600, "d": 86400}[unit]
+# -- critical: hardware suspects ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Suspect:
+    alert: str
+    summary: str
+    description: str
+    labels: Mapping[str, str] = field(default_factory=dict)
 
 
-RULES: tuple[AlertRule, ...] = (
-    AlertRule(
-        "SDCWeightFingerprintMismatch", "critical",
-        f"{_seen(_WEIGHT_MISMATCHES)} > 0\nor on ({_JOIN})\n{_suspected('weights')}",
+# One critical alert per check, keyed by the check that latches sdc_suspect{check}. No $value in these annotations:
+# the direct push renders them without a query result.
+_SUSPECTS: dict[str, _Suspect] = {
+    "weights": _Suspect(
+        "SDCWeightFingerprintMismatch",
         summary=f"SDC: weights of {_WHO} differ from the other replicas",
         description=f"The weight-fingerprint check found that {_WHO} holds parameters that differ from the "
-                    "replicas' majority ({{ $value }} mismatching weight check(s)). Its memory or arithmetic "
-                    "silently corrupted the model: stop the job or let it stop, and do not save a checkpoint from "
-                    "this rank.",
+                    "replicas' majority. Its memory or arithmetic silently corrupted the model: stop the job or let "
+                    "it stop, drain the node, and resume from a checkpoint certified before the incident step.",
     ),
-    AlertRule(
-        "SDCReplayMismatch", "critical", _suspected("replay"),
+    "replay": _Suspect(
+        "SDCReplayMismatch",
         summary=f"SDC: recomputing a step of {_WHO} does not reproduce it",
         description=f"The replay check named {_WHO}: its recorded loss or gradients differ from a partner's "
-                    "recomputation of the same micro-batch with the same weights and RNG state. The GPU computes "
-                    "finite but wrong results; see the replay deltas on the SDC overview dashboard.",
+                    "recomputation of the same micro-batch with the same weights and RNG state, while the other "
+                    "pairs agree. The GPU computes finite but wrong results; see its counters on the GPU health "
+                    "dashboard.",
     ),
-    AlertRule(
-        "SDCNonFiniteGradient", "critical",
-        f"{_seen(_sel(_NONFINITE, phase='local'))} > 0\nor on ({_JOIN})\n{_suspected('grad_local')}",
+    "grad_local": _Suspect(
+        "SDCNonFiniteGradient",
         labels={"phase": "local"},
-        summary=f"SDC: non-finite local gradients on {_WHO}",
-        description=f"{_WHO} computed NaN/Inf gradients before the all-reduce ({{{{ $value }}}} step(s)); they "
-                    "spread to every replica through the all-reduce. If the other ranks' gradients stayed finite, "
-                    "suspect this GPU before the model: look at its counters.",
+        summary=f"SDC: non-finite local gradients on {_WHO} while the other ranks' were finite",
+        description=f"{_WHO} computed NaN/Inf gradients before the all-reduce while the other replicas computed "
+                    "finite ones for the same step: suspect this GPU, not the model. The NaN spread to every "
+                    "replica through the all-reduce: resume from a checkpoint certified before the incident step.",
     ),
-    AlertRule(
-        # Reduced non-finites that a rank's local NaN explains are the echo, not the cause: the alert above names it.
-        "SDCNonFiniteGradient", "critical",
-        f"{_seen(_sel(_NONFINITE, phase='reduced'))} > 0\nunless on (service_name)\n(\n"
-        f"  {_seen(_sel(_NONFINITE, phase='local'), 'service_name')} > 0\n  or\n"
-        f"  {_seen(_sel(_SUSPECT, check='grad_local'), 'service_name')} > 0\n)",
-        for_="1m", labels={"phase": "reduced"},
-        summary=f"SDC: non-finite reduced gradients on {_WHO}",
-        description=f"{_WHO} holds NaN/Inf gradients after the all-reduce ({{{{ $value }}}} step(s)) while no "
-                    "rank's local gradients were non-finite: the data was corrupted between the GPUs.",
-    ),
-    AlertRule(
-        "SDCCommunicationCorruption", "critical", _suspected("grad_reduced"),
+    "grad_reduced": _Suspect(
+        "SDCCommunicationCorruption",
         summary=f"SDC: all-reduce delivered corrupted gradients to {_WHO}",
         description=f"{_WHO} received non-finite reduced gradients while every rank's local gradients were "
                     "finite. Suspect the communication path of this host (NIC, NVLink/NVSwitch, PCIe, the "
                     "collective library) rather than the GPU's arithmetic.",
     ),
+}
+
+# check -> alert name of the critical alert that pages its suspects.
+SUSPECT_ALERTS: dict[str, str] = {check: s.alert for check, s in _SUSPECTS.items()}
+
+
+def _suspect_rule(check: str) -> AlertRule:
+    s = _SUSPECTS[check]
+    expr = f"max by ({_BY}) (max_over_time({_sel(_SUSPECT, check=check)}[{EVENT_WINDOW}])) > 0"
+    return AlertRule(s.alert, "critical", expr, s.summary, s.description, labels={**s.labels, "check": check})
+
+
+# -- warnings ---------------------------------------------------------------------------------------------------------
+
+def _check_failing_expr() -> str:
+    not_run = _sel(_CHECKS, result="~error|skipped")
+    ran = _sel(_CHECKS, result="~pass|fail")
+    by = f"{_BY}, check"
+    return (f"sum by ({by}) {_increased(not_run, FAILING_FOR)}\n"
+            f"unless on ({by})\nsum by ({by}) {_increased(ran, FAILING_FOR)}\n"
+            # The rank was already reporting FAILING_FOR ago: errors alone in a young rank's window are not yet
+            # "no pass for FAILING_FOR".
+            f"and on ({_BY})\nmax by ({_BY}) ({_STEPS} offset {FAILING_FOR})")
+
+
+def _training_nonfinite_expr() -> str:
+    return (f"min by (service_name) (\n"
+            f"  max by ({_BY}) (increase({_NONFINITE}[{ROLLUP_WINDOW}]))\n  / on ({_BY})\n"
+            f"  max by ({_BY}) (increase({_STEPS}[{ROLLUP_WINDOW}]))\n) > {NONFINITE_SHARE}")
+
+
+# The last sdc_monitor_closed scraped from each target, carried while the target is down: a self-referencing
+# recording rule, so that the newest process on a reused host:port decides (a window over the raw gauge would mix a
+# clean earlier run with a crashed later one). It lives while Prometheus knows the target (up exists).
+CLOSED_LAST = "sdc:monitor_closed:last_scraped"
+_CLOSED_BY = f"job, instance, {_BY}"
+_CLOSED_LAST_RULE = RecordingRule(
+    CLOSED_LAST,
+    f"max by ({_CLOSED_BY}) ({_sel(_CLOSED, job=SCRAPE_JOB)})\nor\n"
+    f"(\n  {CLOSED_LAST} unless on (job, instance) {_sel(_CLOSED, job=SCRAPE_JOB)}\n)\n"
+    f"and on (job, instance) up{{{_TARGET}}}")
+
+
+RULES: tuple[AlertRule, ...] = (
+    *(_suspect_rule(check) for check in _SUSPECTS),
     AlertRule(
         "SDCChecksStalled", "warning", checks_stalled_expr(), for_="5m",
         summary="SDC check {{ $labels.check }} stalled on " + _WHO,
@@ -170,21 +256,34 @@ RULES: tuple[AlertRule, ...] = (
                     "for sdc_telemetry errors and sdc_internal_errors_total.",
     ),
     AlertRule(
-        "SDCExporterDown", "critical",
-        f'(up{{job="{SCRAPE_JOB}"}} == 0)\n  * on (instance) group_left ({_BY})\n'
-        f'  topk by (instance) (1, last_over_time({_STEPS}{{job="{SCRAPE_JOB}"}}[6h]))\n'
-        # A rank that never reported: name at least the host, from the target address.
-        f'or on (instance)\nlabel_replace(up{{job="{SCRAPE_JOB}"}} == 0, "host_name", "$1", "instance", "(.+):[0-9]+")',
+        "SDCCheckFailing", "warning", _check_failing_expr(),
+        summary="SDC check {{ $labels.check }} cannot run on " + _WHO,
+        description=f"For {FAILING_FOR} the {{{{ $labels.check }}}} check on {_WHO} counted only error or skipped "
+                    "results, not one pass or fail: the check is due but blind, so this rank is not protected by it. "
+                    "The job's log names the reason (unfaithful replay, a failed collective, an unmeasured rank); "
+                    "see sdc_internal_errors_total by component.",
+    ),
+    AlertRule(
+        "SDCTrainingNonFinite", "warning", _training_nonfinite_expr(), for_=NONFINITE_FOR,
+        summary="Training job {{ $labels.service_name }} computes non-finite gradients on every rank",
+        description=f"For {NONFINITE_FOR}, more than {NONFINITE_SHARE:.0%} of the steps of every rank of job "
+                    "{{ $labels.service_name }} had NaN/Inf gradients. Every replica agrees, so this is numerics "
+                    "(loss-scale overflow, a bad batch, divergence), not a node: no node is paged. Look at the "
+                    "learning rate, the loss scaler and the data.",
+    ),
+    AlertRule(
+        "SDCExporterDown", "warning",
+        f"(up{{{_TARGET}}} == 0)\n* on (job, instance) group_left ({_BY})\n({CLOSED_LAST} == 0)",
         for_="2m",
-        summary="SDC endpoint {{ $labels.instance }} on {{ $labels.host_name }} is down",
-        description="Prometheus cannot scrape the SDC endpoint {{ $labels.instance }}{{ if $labels.rank }} of rank "
-                    "{{ $labels.rank }} on host {{ $labels.host_name }} (GPU {{ $labels.hw_id }}){{ end }}: its checks "
-                    "are invisible. The training process exited (an SDCDetected stop ends every rank), hung, or its "
-                    "exporter failed.",
+        summary="SDC endpoint {{ $labels.instance }} of " + _WHO + " vanished",
+        description="Prometheus cannot scrape the SDC endpoint {{ $labels.instance }} of " + _WHO + ", and its "
+                    "last scrape said monitoring was still on (sdc_monitor_closed 0): the training process died, "
+                    "hung or lost its exporter without close(). Its checks are invisible. A job that ended with "
+                    "close() pages nobody.",
     ),
     AlertRule(
         "GPUUncorrectableECCErrors", "warning",
-        f"{_seen(_sel(_ECC, hw_type='gpu', error_type='uncorrected'))} > 0",
+        f"max by ({_BY}) (max_over_time({_sel(_ECC, hw_type='gpu', error_type='uncorrected')}[{EVENT_WINDOW}])) > 0",
         summary="GPU {{ $labels.hw_id }} on {{ $labels.host_name }} reports uncorrectable ECC errors",
         description="GPU {{ $labels.hw_id }} on host {{ $labels.host_name }} (rank {{ $labels.rank }}) counts "
                     "{{ $value }} uncorrectable ECC error(s) since the driver loaded. Data it held was lost; drain "
@@ -201,50 +300,118 @@ RULES: tuple[AlertRule, ...] = (
     ),
 )
 
-_GROUPS = (("sdc", ("SDC",)), ("sdc-gpu", ("GPU",)))
+_W = ROLLUP_WINDOW
+_HOST = "service_name, host_name"
+# Per-rank series rolled up to host and job. The overview dashboard reads these; the names say what they keep
+# (level:metric:operation, Prometheus's convention).
+RECORDING_RULES: tuple[RecordingRule, ...] = (
+    RecordingRule(f"sdc:checks:rate{_W}", f"sum by ({_HOST}, check, result) (rate({_CHECKS}[{_W}]))"),
+    # Coverage: the share of due check runs that reached a verdict (pass or fail) rather than error/skipped.
+    RecordingRule(f"sdc:checks:coverage{_W}",
+                  f"(\n  sum by (service_name, check) (sdc:checks:rate{_W}{{result=~\"pass|fail\"}})\n  or\n"
+                  f"  0 * sum by (service_name, check) (sdc:checks:rate{_W})\n)\n"
+                  f"/ sum by (service_name, check) (sdc:checks:rate{_W})"),
+    RecordingRule(f"sdc:steps:rate{_W}", f"sum by ({_HOST}) (rate({_STEPS}[{_W}]))"),
+    RecordingRule("sdc:ranks:count", f"count by ({_HOST}) ({_STEPS})"),
+    RecordingRule("sdc:suspect_ranks:count", f"count by ({_HOST}, check) ({_SUSPECT} > 0)"),
+    RecordingRule("sdc:incidents:max", f"max by (service_name, check) ({_INCIDENTS})"),
+    RecordingRule("sdc:internal_errors:sum", f"sum by ({_HOST}, component) ({_ERRORS})"),
+    # A rank that never saw a NaN may not export the counter yet: its gradient norm stands in with 0.
+    RecordingRule("sdc:grad_nonfinite:max",
+                  f"max by ({_HOST}, phase) ({_NONFINITE})\nor\n0 * max by ({_HOST}, phase) ({_NORM})"),
+    RecordingRule("sdc:replay_mismatches:sum", f"sum by ({_HOST}) ({_REPLAY_MISMATCHES})"),
+    RecordingRule("sdc:weight_fingerprint_agreement:min", f"min by ({_HOST}) ({_AGREEMENT})"),
+    RecordingRule("sdc:weight_fingerprint_mismatches:sum", f"sum by ({_HOST}) ({_WEIGHT_MISMATCHES})"),
+    RecordingRule(f"sdc:check_duration_seconds_bucket:rate{_W}",
+                  f"sum by (service_name, check, le) (rate({_DURATION}_bucket[{_W}]))"),
+    RecordingRule(f"sdc:check_duration_seconds_sum:rate{_W}",
+                  f"sum by ({_HOST}, check) (rate({_DURATION}_sum[{_W}]))"),
+    RecordingRule("sdc:check_last_run_age_seconds:max",
+                  f"max by ({_HOST}, check) (time() - {_LAST_RUN})"),
+    RecordingRule("sdc:checks_stalled:count", f"count by ({_HOST}) (\n{checks_stalled_expr()}\n)"),
+)
 
 
 def rules_document(runbook_base: str = RUNBOOK) -> dict[str, Any]:
-    """The Prometheus rule file as a dict (``yaml.safe_dump`` it): the groups ``sdc`` and ``sdc-gpu``."""
-    groups = []
-    for name, prefixes in _GROUPS:
-        rules = [r.to_rule(runbook_base) for r in RULES if r.name.startswith(prefixes)]
-        groups.append({"name": name, "rules": rules})
-    return {"groups": groups}
+    """The Prometheus rule file as a dict: groups ``sdc`` (SDC alerts), ``sdc-gpu`` and ``sdc-rollups``."""
+    sdc = [_CLOSED_LAST_RULE.to_rule()] + [r.to_rule(runbook_base) for r in RULES if r.name.startswith("SDC")]
+    gpu = [r.to_rule(runbook_base) for r in RULES if r.name.startswith("GPU")]
+    return {"groups": [{"name": "sdc", "rules": sdc}, {"name": "sdc-gpu", "rules": gpu},
+                       {"name": "sdc-rollups", "rules": [r.to_rule() for r in RECORDING_RULES]}]}
 
+
+# -- the same alert, pushed ------------------------------------------------------------------------------------------
+
+_TEMPLATE = re.compile(r"\{\{ \$(labels\.(\w+)|value)( \| humanizeDuration)? \}\}")
+
+
+def render_template(template: str, labels: Mapping[str, str], value: str = "") -> str:
+    """What Prometheus renders for the templates these rules use (``{{ $labels.x }}``, ``{{ $value }}``,
+    ``{{ $value | humanizeDuration }}`` with ``value`` given already humanized)."""
+    def sub(m: re.Match[str]) -> str:
+        return value if m.group(1) == "value" else labels.get(m.group(2), "")
+    return _TEMPLATE.sub(sub, template)
+
+
+def suspect_alert(check: str, identity_labels: Mapping[str, object], service_name: str, *,
+                  runbook_base: str = RUNBOOK) -> dict[str, dict[str, str]]:
+    """The labels and annotations of the critical alert the rules fire for a suspect rank of ``check``.
+
+    ``identity_labels`` holds the rank's ``host_name``, ``rank``, ``local_rank`` and ``hw_id`` (other keys are
+    ignored). Alertmanager identifies an alert by its labels, so an alert posted with these (``sdc_telemetry.pager``)
+    and the rule's alert for the same rank are one alert, paged once.
+
+    >>> suspect_alert("weights", {"host_name": "n7", "rank": 2, "local_rank": 2, "hw_id": "GPU-1"}, "llm")["labels"]
+    ... # doctest: +NORMALIZE_WHITESPACE
+    {'alertname': 'SDCWeightFingerprintMismatch', 'severity': 'critical', 'check': 'weights', 'service_name': 'llm',
+     'host_name': 'n7', 'rank': '2', 'local_rank': '2', 'hw_id': 'GPU-1'}
+    """
+    if check not in _SUSPECTS:
+        raise ValueError(f"check must be one of {sorted(_SUSPECTS)}, got {check!r}")
+    missing = [k for k in RANK_LABELS if k != "service_name" and k not in identity_labels]
+    if missing:
+        raise ValueError(f"identity_labels lacks {missing} (has {sorted(identity_labels)})")
+    if not service_name:
+        raise ValueError("service_name must be a non-empty string (the job name the metrics carry)")
+    rule = _suspect_rule(check)
+    ident = {"service_name": service_name, **{k: str(identity_labels[k]) for k in RANK_LABELS[1:]}}
+    labels = {"alertname": rule.name, **rule.rule_labels(), **ident}
+    annotations = {k: render_template(v, labels) for k, v in rule.annotations(runbook_base).items()}
+    return {"labels": labels, "annotations": annotations}
+
+
+# -- Alertmanager -----------------------------------------------------------------------------------------------------
 
 def alertmanager_config(pager_url: str = "http://webhook-sink:5001/pager",
-                        ticket_url: str = "http://webhook-sink:5001/ticket", *, fast: bool = False) -> dict[str, Any]:
-    """Alertmanager routing: group by job and host, critical -> ``pager``, warning -> ``ticket``.
+                        ticket_url: str = "http://webhook-sink:5001/ticket", *,
+                        responder_url: str | None = RESPONDER_URL, fast: bool = False) -> dict[str, Any]:
+    """Alertmanager routing: group by job and host, critical -> ``pager``, warning -> ``ticket``; critical SDC
+    alerts also -> ``responder`` (``sdc-telemetry respond`` drains the node; None leaves it out).
 
     ``fast`` shortens the grouping waits (tests, demos) so that a page is sent within a second.
     """
     waits = {"group_wait": "1s", "group_interval": "1s", "repeat_interval": "1h"} if fast else \
         {"group_wait": "30s", "group_interval": "5m", "repeat_interval": "4h"}
     pager_waits = {"group_wait": "1s" if fast else "10s", "repeat_interval": "1h"}
+    sdc_critical = ['severity="critical"', f'alertname=~"{"|".join(SUSPECT_ALERTS.values())}"']
+    routes: list[dict[str, Any]] = []
+    receivers: list[dict[str, Any]] = []
+    if responder_url is not None:
+        # continue: the pager still gets the alert after the responder.
+        routes.append({"matchers": sdc_critical, "receiver": "responder", "continue": True, **pager_waits})
+        receivers.append({"name": "responder", "webhook_configs": [{"url": responder_url, "send_resolved": False}]})
+    routes += [{"matchers": ['severity="critical"'], "receiver": "pager", **pager_waits},
+               {"matchers": ['severity="warning"'], "receiver": "ticket"}]
+    receivers += [{"name": "pager", "webhook_configs": [{"url": pager_url, "send_resolved": True}]},
+                  {"name": "ticket", "webhook_configs": [{"url": ticket_url, "send_resolved": True}]}]
     return {
-        "route": {
-            "receiver": "ticket",
-            "group_by": ["service_name", "host_name"],
-            **waits,
-            "routes": [
-                {"matchers": ['severity="critical"'], "receiver": "pager", **pager_waits},
-                {"matchers": ['severity="warning"'], "receiver": "ticket"},
-            ],
-        },
+        "route": {"receiver": "ticket", "group_by": ["service_name", "host_name"], **waits, "routes": routes},
         "inhibit_rules": [
             # A host already paged for: its warnings (ECC, XID, stalled checks) are evidence, not news.
             {"source_matchers": ['severity="critical"'], "target_matchers": ['severity="warning"'],
              "equal": ["host_name"]},
-            # The diagnosis supersedes the symptom on the same rank.
-            {"source_matchers": ['alertname="SDCCommunicationCorruption"'],
-             "target_matchers": ['alertname="SDCNonFiniteGradient"', 'phase="reduced"'],
-             "equal": ["service_name", "host_name", "rank"]},
         ],
-        "receivers": [
-            {"name": "pager", "webhook_configs": [{"url": pager_url, "send_resolved": True}]},
-            {"name": "ticket", "webhook_configs": [{"url": ticket_url, "send_resolved": True}]},
-        ],
+        "receivers": receivers,
     }
 
 
@@ -276,216 +443,37 @@ def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
 _Dumper.add_representer(str, _str)
 
 
-def _yaml(doc: Any) -> str:
+def to_yaml(doc: Any) -> str:
+    """YAML as the checked-in files write it: keys in order, PromQL as literal blocks."""
     return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=120, allow_unicode=True)
 
 
-_HEADER = "# Generated by sdc_telemetry.alerts (sdc-telemetry alerts); edit the Python, not this file.\n"
+HEADER = "# Generated by sdc_telemetry.alerts (sdc-telemetry alerts); edit the Python, not this file.\n"
 
 
 def rules_yaml(runbook_base: str = RUNBOOK) -> str:
     """The text of ``alerts/sdc-rules.yml`` (what ``LocalStack`` loads too)."""
-    return _HEADER + _yaml(rules_document(runbook_base))
+    return HEADER + to_yaml(rules_document(runbook_base))
 
 
 def _alertmanager_text(doc: dict[str, Any]) -> str:
-    text = _yaml(doc)
-    marker = "- name: ticket\n"
+    text = to_yaml(doc)
+    marker = "- name: pager\n"
     assert marker in text
-    header = _HEADER + "# Receivers are webhooks (the docker-compose webhook sink); see the commented examples.\n"
-    return header + text.replace(marker, _PAGER_EXAMPLES + marker, 1)
+    header = HEADER + ("# Receivers are webhooks (the docker-compose webhook sink and the sdc-telemetry respond "
+                       "service); see the commented examples.\n")
+    return header + text.replace(marker, marker + _PAGER_EXAMPLES, 1)
 
-
-# -- promtool unit tests ----------------------------------------------------------------------------------------------
-
-_TEMPLATE = re.compile(r"\{\{ \$(labels\.(\w+)|value)( \| humanizeDuration)? \}\}")
-_IF = re.compile(r"\{\{ if \$labels\.(\w+) \}\}(.*?)\{\{ end \}\}")
-
-
-def _render(template: str, labels: Mapping[str, str], value: str) -> str:
-    """What Prometheus renders for our templates (``$labels.x``, ``$value``, ``$value | humanizeDuration`` and
-    ``if $labels.x``): the tests compare it with promtool's rendering, so a typo in a template fails them."""
-    def sub(m: re.Match[str]) -> str:
-        if m.group(1) == "value":
-            return value
-        return labels.get(m.group(2), "")
-    text = _IF.sub(lambda m: m.group(2) if labels.get(m.group(1)) else "", template)
-    return _TEMPLATE.sub(sub, text)
-
-
-def _ident(rank: int, host: str = "node-b", job: str = "llm") -> dict[str, str]:
-    return {"service_name": job, "host_name": host, "rank": str(rank), "local_rank": str(rank % 4),
-            "hw_id": f"GPU-{rank:08d}-aaaa-bbbb-cccc-dddddddddddd"}
-
-
-def _series(name: str, labels: Mapping[str, str], values: str) -> dict[str, str]:
-    return {"series": _sel(name, **labels), "values": values}
-
-
-def _scraped(rank: int, host: str = "node-b") -> dict[str, str]:
-    ident = _ident(rank, host)
-    port = 9860 + int(ident["local_rank"])
-    return {**ident, "service_instance_id": f"{host}-rank{rank}", "job": SCRAPE_JOB, "instance": f"{host}:{port}"}
-
-
-def _expect(name: str, labels: Mapping[str, str], value: str, rule_index: int = 0) -> dict[str, Any]:
-    rule = [r for r in RULES if r.name == name][rule_index]
-    all_labels = {"severity": rule.severity, **rule.labels, **labels}
-    return {"exp_labels": all_labels,
-            "exp_annotations": {"summary": _render(rule.summary, all_labels, value),
-                                "description": _render(rule.description, all_labels, value),
-                                "runbook_url": f"{RUNBOOK}#{runbook_anchor(name)}"}}
-
-
-def _healthy_job(ranks: range, minutes: int) -> list[dict[str, str]]:
-    """Every family a healthy 4-rank job exports, sampled every minute (check timestamps follow the clock)."""
-    out = []
-    for r in ranks:
-        lab = _scraped(r, "node-a" if r < 2 else "node-b")
-        out.append(_series("up", {"job": SCRAPE_JOB, "instance": lab["instance"]}, f"1x{minutes}"))
-        out.append(_series(_STEPS, lab, f"0+60x{minutes}"))
-        for check in STALE_AFTER:
-            out.append(_series(_LAST_RUN, {**lab, "check": check}, f"0+60x{minutes}"))
-            out.append(_series(_SUSPECT, {**lab, "check": check}, f"0x{minutes}"))
-        for phase in ("local", "reduced"):
-            out.append(_series(_NONFINITE, {**lab, "phase": phase}, f"0x{minutes}"))
-        out.append(_series(_WEIGHT_MISMATCHES, lab, f"0x{minutes}"))
-        gpu = {k: lab[k] for k in ("service_name", "host_name", "rank", "local_rank", "hw_id", "job", "instance")}
-        out.append(_series(_ECC, {**gpu, "hw_type": "gpu", "error_type": "corrected"}, f"0+3x{minutes}"))
-        out.append(_series(_ECC, {**gpu, "hw_type": "gpu", "error_type": "uncorrected"}, f"0x{minutes}"))
-    return out
-
-
-_ALERT_NAMES = tuple(dict.fromkeys(r.name for r in RULES))
-
-
-def _quiet(*times: str) -> list[dict[str, Any]]:
-    return [{"eval_time": t, "alertname": a, "exp_alerts": []} for t in times for a in _ALERT_NAMES]
-
-
-def rule_tests_document(rules_file: str = RULES_FILE) -> dict[str, Any]:
-    """promtool unit tests: every alert firing and not firing, a healthy job paging nothing."""
-    r2 = _scraped(2)
-    id2 = _ident(2)
-    tests: list[dict[str, Any]] = []
-
-    def case(name: str, series: list[dict[str, str]], checks: list[dict[str, Any]]) -> None:
-        tests.append({"name": name, "interval": "1m", "input_series": series, "alert_rule_test": checks})
-
-    case("a healthy job pages nothing", _healthy_job(range(4), 120), _quiet("5m", "30m", "1h", "119m"))
-
-    case("a weight mismatch seen in one scrape pages, names the rank and lasts the event window",
-         [_series(_WEIGHT_MISMATCHES, r2, "0x10 1 stale"), _series(_SUSPECT, {**r2, "check": "weights"},
-                                                                   "0x10 1 stale")],
-         [{"eval_time": "10m", "alertname": "SDCWeightFingerprintMismatch", "exp_alerts": []},
-          {"eval_time": "11m", "alertname": "SDCWeightFingerprintMismatch",
-           "exp_alerts": [_expect("SDCWeightFingerprintMismatch", id2, "1")]},
-          {"eval_time": "25m", "alertname": "SDCWeightFingerprintMismatch",
-           "exp_alerts": [_expect("SDCWeightFingerprintMismatch", id2, "1")]},
-          {"eval_time": "27m", "alertname": "SDCWeightFingerprintMismatch", "exp_alerts": []}])
-
-    case("a mismatch counter born at 1 (the event created it) pages; so does the latched gauge alone",
-         [_series(_WEIGHT_MISMATCHES, r2, "_x5 1x20"),
-          _series(_SUSPECT, {**_scraped(5, "node-c"), "check": "weights"}, "0x5 1x20")],
-         [{"eval_time": "6m", "alertname": "SDCWeightFingerprintMismatch",
-           "exp_alerts": [_expect("SDCWeightFingerprintMismatch", id2, "1"),
-                          _expect("SDCWeightFingerprintMismatch", _ident(5, "node-c"), "1")]}])
-
-    case("a replay verdict pages the suspect only",
-         [_series(_SUSPECT, {**r2, "check": "replay"}, "0x5 1x20"),
-          _series(_SUSPECT, {**_scraped(1, "node-a"), "check": "replay"}, "0x25")],
-         [{"eval_time": "5m", "alertname": "SDCReplayMismatch", "exp_alerts": []},
-          {"eval_time": "6m", "alertname": "SDCReplayMismatch",
-           "exp_alerts": [_expect("SDCReplayMismatch", id2, "1")]}])
-
-    nan_series = [_series(_SUSPECT, {**r2, "check": "grad_local"}, "0x5 1x20")]
-    for r in range(4):
-        lab = _scraped(r, "node-a" if r < 2 else "node-b")
-        nan_series.append(_series(_NONFINITE, {**lab, "phase": "local"}, "0x5 1x20" if r == 2 else "0x25"))
-        nan_series.append(_series(_NONFINITE, {**lab, "phase": "reduced"}, "0x5 1x20"))
-    case("a local NaN pages its rank with phase=local; the NaN it spread through the all-reduce pages nobody",
-         nan_series,
-         [{"eval_time": "6m", "alertname": "SDCNonFiniteGradient",
-           "exp_alerts": [_expect("SDCNonFiniteGradient", {**id2, "phase": "local"}, "1")]},
-          {"eval_time": "10m", "alertname": "SDCNonFiniteGradient",
-           "exp_alerts": [_expect("SDCNonFiniteGradient", {**id2, "phase": "local"}, "1")]},
-          {"eval_time": "10m", "alertname": "SDCCommunicationCorruption", "exp_alerts": []}])
-
-    comm_series = [_series(_SUSPECT, {**r2, "check": "grad_reduced"}, "0x5 1 stale")]
-    for r in range(4):
-        lab = _scraped(r, "node-a" if r < 2 else "node-b")
-        comm_series.append(_series(_NONFINITE, {**lab, "phase": "local"}, "0x20"))
-        comm_series.append(_series(_NONFINITE, {**lab, "phase": "reduced"}, "0x5 1 stale" if r == 2 else "0x20"))
-    case("reduced NaNs with finite local gradients page communication corruption (one scrape is enough)",
-         comm_series,
-         [{"eval_time": "5m", "alertname": "SDCCommunicationCorruption", "exp_alerts": []},
-          {"eval_time": "6m", "alertname": "SDCCommunicationCorruption",
-           "exp_alerts": [_expect("SDCCommunicationCorruption", id2, "1")]},
-          {"eval_time": "6m", "alertname": "SDCNonFiniteGradient", "exp_alerts": []},
-          {"eval_time": "8m", "alertname": "SDCNonFiniteGradient",
-           "exp_alerts": [_expect("SDCNonFiniteGradient", {**id2, "phase": "reduced"}, "1", rule_index=1)]}])
-
-    stalled = [_series(_STEPS, r2, "0+60x90"),
-               _series(_LAST_RUN, {**r2, "check": "grad_local"}, "0+60x90"),
-               _series(_LAST_RUN, {**r2, "check": "weights"}, "0+60x10 600x80"),
-               _series(_STEPS, _scraped(1, "node-a"), "0+60x10 600x80"),
-               _series(_LAST_RUN, {**_scraped(1, "node-a"), "check": "weights"}, "0+60x10 600x80")]
-    case("a check whose last run ages while steps advance warns; a paused job does not",
-         stalled,
-         [{"eval_time": "44m", "alertname": "SDCChecksStalled", "exp_alerts": []},
-          {"eval_time": "46m", "alertname": "SDCChecksStalled",
-           "exp_alerts": [_expect("SDCChecksStalled", {**id2, "check": "weights"}, "36m 0s")]}])
-
-    down = [_series("up", {"job": SCRAPE_JOB, "instance": r2["instance"]}, "1x5 0x20"),
-            _series(_STEPS, r2, "0+60x5 stale"),
-            _series("up", {"job": SCRAPE_JOB, "instance": "node-c:9860"}, "1x5 0x20"),
-            _series("up", {"job": SCRAPE_JOB, "instance": "node-a:9861"}, "1x5 0 1x20"),
-            _series("up", {"job": "node", "instance": "node-a:9100"}, "0x25")]
-    target = {"job": SCRAPE_JOB, "instance": r2["instance"]}
-    case("a dead exporter pages with the identity it last reported; a single failed scrape does not",
-         down,
-         [{"eval_time": "7m", "alertname": "SDCExporterDown", "exp_alerts": []},
-          {"eval_time": "9m", "alertname": "SDCExporterDown",
-           "exp_alerts": [_expect("SDCExporterDown", {**target, **id2}, "0"),
-                          _expect("SDCExporterDown", {**target, "instance": "node-c:9860", "host_name": "node-c"},
-                                  "0")]}])
-
-    gpu = {k: r2[k] for k in ("service_name", "host_name", "rank", "local_rank", "hw_id", "job", "instance")}
-    case("uncorrectable ECC errors warn; corrected ones do not",
-         [_series(_ECC, {**gpu, "hw_type": "gpu", "error_type": "uncorrected"}, "0x5 2x20"),
-          _series(_ECC, {**gpu, "hw_type": "gpu", "error_type": "corrected"}, "0+10x25")],
-         [{"eval_time": "5m", "alertname": "GPUUncorrectableECCErrors", "exp_alerts": []},
-          {"eval_time": "6m", "alertname": "GPUUncorrectableECCErrors",
-           "exp_alerts": [_expect("GPUUncorrectableECCErrors", id2, "2")]}])
-
-    case("an XID warns for the event window, also when its counter is born by the event",
-         [_series(_XID, {**gpu, "xid": "79"}, "_x5 1x40"),
-          _series(_XID, {**_scraped(1, "node-a"), "xid": "13"}, "0x30 1x10")],
-         [{"eval_time": "4m", "alertname": "GPUXidErrors", "exp_alerts": []},
-          {"eval_time": "6m", "alertname": "GPUXidErrors",
-           "exp_alerts": [_expect("GPUXidErrors", {**id2, "xid": "79"}, "1")]},
-          {"eval_time": "25m", "alertname": "GPUXidErrors", "exp_alerts": []},
-          {"eval_time": "32m", "alertname": "GPUXidErrors",
-           "exp_alerts": [_expect("GPUXidErrors", {**_ident(1, "node-a"), "xid": "13"}, "1")]}])
-
-    return {"rule_files": [rules_file], "evaluation_interval": "1m", "tests": tests}
-
-
-# -- files ------------------------------------------------------------------------------------------------------------
 
 def generate(out_dir: str | Path) -> list[Path]:
-    """Write ``sdc-rules.yml``, ``sdc-rules.test.yml`` and ``alertmanager.yml`` into ``out_dir``; return the paths.
+    """Write ``sdc-rules.yml`` and ``alertmanager.yml`` into ``out_dir``; return the paths.
 
     >>> generate("alerts")                                          # doctest: +SKIP
-    [PosixPath('alerts/sdc-rules.yml'), PosixPath('alerts/sdc-rules.test.yml'), PosixPath('alerts/alertmanager.yml')]
+    [PosixPath('alerts/sdc-rules.yml'), PosixPath('alerts/alertmanager.yml')]
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    files = {
-        RULES_FILE: rules_yaml(),
-        TESTS_FILE: _HEADER + "# Run: promtool test rules alerts/sdc-rules.test.yml\n" + _yaml(rule_tests_document()),
-        ALERTMANAGER_FILE: _alertmanager_text(alertmanager_config()),
-    }
+    files = {RULES_FILE: rules_yaml(), ALERTMANAGER_FILE: _alertmanager_text(alertmanager_config())}
     paths = []
     for name, text in files.items():
         path = out / name

@@ -9,7 +9,8 @@ binaries (``LocalStack.available()``)::
         stack.query('sdc_suspect == 1')
 
 The rules are rendered from ``sdc_telemetry.alerts`` (the same text as ``alerts/sdc-rules.yml``), the routing is
-``alerts/alertmanager.yml`` with its grouping waits shortened and its webhooks pointed at this process, and the scrape
+``alerts/alertmanager.yml`` with its grouping waits shortened and its webhooks pointed at this process (the
+``responder`` route only with ``responder=True``, to ``<webhook_url>/responder``), and the scrape
 job is named ``sdc`` like the shipped ``deploy/prometheus.yml``. Every process and thread started is stopped by
 ``stop()`` (also on error and at interpreter exit).
 """
@@ -116,16 +117,19 @@ class LocalStack:
 
     ``targets``: ``host:port`` of the ranks' metrics endpoints. ``workdir``: where configs, data and logs go (a
     temporary directory, removed on stop, when None). ``scrape_interval`` / ``evaluation_interval`` are short by
-    default so that a page arrives within seconds of the event.
+    default so that a page arrives within seconds of the event. ``responder``: also route critical SDC alerts to
+    ``<webhook_url>/responder``, as the shipped routing sends them to ``sdc-telemetry respond``.
     """
 
     def __init__(self, targets: Sequence[str] = (), workdir: str | Path | None = None, *,
                  scrape_interval: str = "1s", evaluation_interval: str = "1s", startup_timeout: float = 30.0,
-                 prometheus_bin: str | None = None, alertmanager_bin: str | None = None) -> None:
+                 prometheus_bin: str | None = None, alertmanager_bin: str | None = None,
+                 responder: bool = False) -> None:
         self.targets = list(targets)
         self.scrape_interval = scrape_interval
         self.evaluation_interval = evaluation_interval
         self.startup_timeout = startup_timeout
+        self.responder = responder
         self._prometheus_bin = prometheus_bin or _which(PROMETHEUS_NAMES)
         self._alertmanager_bin = alertmanager_bin or _which(ALERTMANAGER_NAMES)
         self._own_workdir = workdir is None
@@ -183,7 +187,8 @@ class LocalStack:
         self.webhook_url = f"http://127.0.0.1:{self._webhook.server_address[1]}"
 
         am_port, prom_port = _free_port(), _free_port()
-        am_config = alertmanager_config(f"{self.webhook_url}/pager", f"{self.webhook_url}/ticket", fast=True)
+        am_config = alertmanager_config(f"{self.webhook_url}/pager", f"{self.webhook_url}/ticket", fast=True,
+                                        responder_url=f"{self.webhook_url}/responder" if self.responder else None)
         (base / "alertmanager.yml").write_text(yaml.safe_dump(am_config, sort_keys=False))
         self.alertmanager_url = f"http://127.0.0.1:{am_port}"
         self._spawn("alertmanager", [self._alertmanager_bin, f"--config.file={base / 'alertmanager.yml'}",
