@@ -1,7 +1,7 @@
 """The one table of metric families. The exporter, the dashboards and the alert rules all read it; no other module
 spells a family name.
 
-``name`` is the Prometheus name as scraped (DESIGN.md section 4). Every SDC family also carries the identity labels
+``name`` is the Prometheus name as scraped. Every SDC family also carries the identity labels
 ``IDENTITY_LABELS`` (copied from the OpenTelemetry resource), and every GPU family carries ``host_name`` and ``hw_id``.
 """
 
@@ -50,24 +50,29 @@ class Family:
         return base.replace("_", ".")
 
 
+# OpenTelemetry refuses NaN/Inf values; the exporter records them as the largest float instead (see telemetry.py).
+_NONFINITE = "NaN/Inf is +Inf on the Prometheus endpoint, the largest float over OTLP."
+
 SDC: tuple[Family, ...] = (
     Family("sdc_steps_total", "counter", "1", "Optimizer steps seen by the monitor."),
-    Family("sdc_checks_total", "counter", "1", "Check verdicts, by check and result (pass/fail).",
-           ("check", "result")),
+    Family("sdc_checks_total", "counter", "1",
+           "Check outcomes on this rank, by check and result: pass, fail, error (it tried and failed), "
+           "skipped (due but could not run). Neither error nor skipped is a pass.", ("check", "result")),
     Family("sdc_check_duration_seconds", "histogram", "s", "Wall time of one check on this rank.", ("check",)),
     Family("sdc_check_last_run_timestamp_seconds", "gauge", "s", "Unix time of the last run of each check.",
            ("check",)),
     Family("sdc_grad_nonfinite_total", "counter", "1",
            "Steps in which this rank's gradients held NaN/Inf, by phase (local before all-reduce, reduced after).",
            ("phase",)),
-    Family("sdc_grad_norm", "gauge", "1", "L2 norm of this rank's gradients, by phase.", ("phase",)),
+    Family("sdc_grad_norm", "gauge", "1",
+           f"L2 norm of this rank's gradients, by phase. {_NONFINITE}", ("phase",)),
     Family("sdc_replay_loss_delta", "gauge", "1",
-           "Relative loss difference when this rank replayed origin_rank's micro-batches.", ("origin_rank",)),
+           f"Relative loss difference of this rank's last replay of its partner's micro-batches. {_NONFINITE}"),
     Family("sdc_replay_grad_delta", "gauge", "1",
-           "Relative gradient-sketch difference when this rank replayed origin_rank's micro-batches.",
-           ("origin_rank",)),
+           "Relative gradient-sketch difference of this rank's last replay of its partner's micro-batches. "
+           f"{_NONFINITE}"),
     Family("sdc_replay_mismatches_total", "counter", "1",
-           "Replays of origin_rank's micro-batches by this rank that did not match.", ("origin_rank",)),
+           "Replay audits in which this rank's recomputation of its partner's micro-batches did not match."),
     Family("sdc_weight_fingerprint_agreement", "gauge", "1",
            "1 when this rank's weight fingerprints agree with the replicas' majority, else 0."),
     Family("sdc_weight_fingerprint_mismatches_total", "counter", "1",
@@ -78,6 +83,9 @@ SDC: tuple[Family, ...] = (
            ("check",)),
     Family("sdc_internal_errors_total", "counter", "1", "Contained failures of the monitor, by component.",
            ("component",)),
+    Family("sdc_monitor_closed", "gauge", "1",
+           "0 while the monitor runs, 1 once close() ran: an endpoint that vanishes with 0 died, "
+           "with 1 ended cleanly."),
 )
 
 GPU: tuple[Family, ...] = (

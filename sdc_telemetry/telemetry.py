@@ -1,29 +1,35 @@
 """OpenTelemetry metrics of one rank: the SDC families, this rank's GPU counters, a Prometheus endpoint, OTLP push.
 
-The monitor builds ``Telemetry(config, identity, **deps)`` and calls the ``Observer`` methods on the training thread;
-each one records into an SDK instrument (no I/O). The Prometheus endpoint and the OTLP reader collect on their own
-threads, and GPU counters are read through observable instruments at that time. Nothing here raises into training:
-a port in use, NVML missing or an unreachable collector is logged and counted in ``sdc_internal_errors_total``::
+The monitor builds ``Telemetry(config, identity, **deps)`` and hands it one ``StepReport`` per hook point;
+``report()`` maps it onto the SDK instruments in one place (no I/O). The Prometheus endpoint and the OTLP reader
+collect on their own threads, and GPU counters are read through observable instruments at that time. Nothing here
+raises into training: a port in use, NVML missing, an unreachable collector or a malformed report is logged and
+counted in ``sdc_internal_errors_total``::
 
     telemetry = Telemetry(SDCConfig(metrics_port=9860), RankIdentity.local())
-    telemetry.step_done(0)                # sdc_steps_total += 1
-    telemetry.close()                     # stops the endpoint and the OTLP reader
+    telemetry.report(StepReport(step=0, results={"grad_local": "pass"}))   # steps += 1, checks{pass} += 1
+    telemetry.close()        # sdc_monitor_closed = 1, one last scrape if Prometheus watches, then stop
 
 Every series carries the identity labels (``service_name``, ``service_instance_id``, ``host_name``, ``rank``,
-``local_rank``, ``hw_id``): the exporter copies them from the resource where it can (``resource_attribute_filter``),
-else they are recorded on each point.
+``local_rank``, ``hw_id``): the exporter copies them from the resource, or, with a caller's ``meter_provider``,
+they are recorded on each point.
+
+Non-finite gauge values (a NaN gradient norm, the replay delta of a NaN loss): the OpenTelemetry SDK drops NaN and
+Inf on every instrument, with a warning per call, so the gauge would freeze at its last finite value and a broken
+step would look healthy. They are recorded as ``NONFINITE`` (the largest float) instead, which an OTLP consumer
+receives as is, and the Prometheus endpoint renders as ``+Inf``.
 """
 
 from __future__ import annotations
 
-import atexit
 import errno
-import inspect
 import logging
+import math
 import socket
+import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import prometheus_client
@@ -33,6 +39,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricReader, MetricsData
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from opentelemetry.sdk.resources import Resource
+from prometheus_client.metrics_core import Metric
 
 from . import nvml as _nvml
 from .checks import CHECKS
@@ -40,21 +47,23 @@ from .config import SDCConfig
 from .gpu import GPUCollector
 from .identity import RankIdentity
 from .metrics import CHECK_DURATION_BUCKETS, SDC, Family, family
-from .observer import Observer
-from .response import Incident
+from .observer import RESULTS, Observer, StepReport
 
-__all__ = ["Telemetry", "resource_attributes"]
+__all__ = ["Telemetry", "resource_attributes", "NONFINITE", "PHASES"]
 
 log = logging.getLogger("sdc_telemetry")
 
 # Resource attribute -> the label the exporter makes of it (dots become underscores).
 _RESOURCE_LABELS = {"service.name": "service_name", "service.instance.id": "service_instance_id",
                     "host.name": "host_name", "rank": "rank", "local_rank": "local_rank", "hw.id": "hw_id"}
-_READER_PARAMS = frozenset(inspect.signature(PrometheusMetricReader.__init__).parameters)
+
+NONFINITE = sys.float_info.max  # what a NaN/Inf gauge value is recorded as (the SDK refuses non-finite values)
+PHASES = ("local", "reduced")   # gradient phases: before and after the all-reduce
+_RAN = ("pass", "fail")         # results of a check that actually ran (error and skipped did not)
 
 
 def resource_attributes(config: SDCConfig, identity: RankIdentity) -> dict[str, str | int]:
-    """The resource of a rank's metrics (DESIGN.md section 4)."""
+    """The OpenTelemetry resource of a rank's metrics: job, instance, host, rank, local rank, hardware id."""
     return {"service.name": config.job_name, "service.instance.id": f"{identity.host_name}-rank{identity.rank}",
             "host.name": identity.host_name, "rank": identity.rank, "local_rank": identity.local_rank,
             "hw.id": identity.hw_id}
@@ -70,18 +79,21 @@ class Telemetry(Observer):
       CUDA device when ``config.nvml``.
     - ``readers``: extra metric readers on the private provider (``InMemoryMetricReader`` in tests).
     - ``otlp_interval_s`` / ``otlp_timeout_s``: push period and per-export bound of the OTLP reader.
-    - ``scrape_grace_s``: after an incident, ``close()`` (and, with ``on_suspect="raise"``, interpreter exit) keeps
-      the endpoint up until Prometheus has scraped it once more, at most this long. A rank that stops right after
-      raising would otherwise take its latched ``sdc_suspect`` with it before any scrape saw it, and nobody is paged.
+    - ``close_scrape_wait_s``: ``close()`` sets ``sdc_monitor_closed`` to 1 and keeps the endpoint up until one
+      more scrape has read it, so Prometheus tells a clean end from a crash. It never waits when the endpoint was
+      never scraped (nobody watches), and at most 1.5 observed scrape intervals, capped by this many seconds.
     """
 
     def __init__(self, config: SDCConfig, identity: RankIdentity, *,
                  registry: prometheus_client.CollectorRegistry | None = None,
                  meter_provider: MeterProvider | None = None, nvml: _nvml.NVMLDevice | None = None,
                  readers: Sequence[MetricReader] = (), otlp_interval_s: float = 15.0,
-                 otlp_timeout_s: float = 5.0, scrape_grace_s: float = 60.0) -> None:
+                 otlp_timeout_s: float = 5.0, close_scrape_wait_s: float = 8.0) -> None:
         if meter_provider is not None and readers:
             raise ValueError("Telemetry: pass readers= only without meter_provider= (add them to your provider)")
+        if not (math.isfinite(close_scrape_wait_s) and close_scrape_wait_s >= 0):
+            raise ValueError(f"Telemetry: close_scrape_wait_s must be a finite number >= 0, "
+                             f"got {close_scrape_wait_s!r}")
         self.config = config
         self.identity = identity
         self.registry = registry if registry is not None else prometheus_client.CollectorRegistry()
@@ -89,20 +101,23 @@ class Telemetry(Observer):
         self._closed = False
         self._server: Any = None
         self._server_thread: threading.Thread | None = None
-        self._moved_collector: Any = None
+        self._endpoint: _Endpoint | None = None
         self._owns_provider = meter_provider is None
         self._owned_nvml: _nvml.NVMLDevice | None = None
         self._gpu: GPUCollector | None = None
-        self._seen: set[tuple[str, str]] = set()
+        self._seen_checks: set[str] = set()
         self._i: dict[str, Any] = {}
-        self._scrape_grace_s = scrape_grace_s
-        self._last_scrape = 0.0
-        self._incident_at: float | None = None
-        self._exit_hook = False
-        self.registry.register(_ScrapeClock(self))
-        labels_from_resource = False
+        self._report_failures = 0
+        self._close_scrape_wait_s = close_scrape_wait_s
+        self._scraped = threading.Condition()
+        self._last_scrape: float | None = None      # monotonic start of the last completed scrape
+        self._scrape_interval: float | None = None  # between the last two scrapes
         if meter_provider is None:
-            prom, labels_from_resource = self._prometheus_reader()
+            otel_registry = prometheus_client.CollectorRegistry()  # read only through the endpoint below
+            prom = PrometheusMetricReader(registry=otel_registry, scope_info_enabled=False,
+                                          resource_attribute_filter=_RESOURCE_LABELS.__contains__)
+            self._endpoint = _Endpoint(otel_registry, self._note_scrape)
+            self.registry.register(self._endpoint)
             all_readers = [prom, *readers]
             if config.otlp_endpoint:
                 all_readers.append(_otlp_reader(config.otlp_endpoint, otlp_interval_s, otlp_timeout_s,
@@ -112,7 +127,7 @@ class Telemetry(Observer):
                 views=[View(instrument_name=family("sdc_check_duration_seconds").otel_name,
                             aggregation=ExplicitBucketHistogramAggregation(boundaries=CHECK_DURATION_BUCKETS))])
         self._provider = meter_provider
-        self._attrs: dict[str, str] = {} if labels_from_resource else {
+        self._attrs: dict[str, str] = {} if self._owns_provider else {
             _RESOURCE_LABELS[k]: str(v) for k, v in resource_attributes(config, identity).items()}
         try:
             meter = meter_provider.get_meter("sdc_telemetry")
@@ -127,44 +142,22 @@ class Telemetry(Observer):
 
     # -- Observer ------------------------------------------------------------------------------------------------
 
-    def step_done(self, step: int) -> None:
-        self._i["sdc_steps_total"].add(1, self._attrs)
-
-    def check_done(self, check: str, passed: bool, duration_s: float) -> None:
-        if ("check", check) not in self._seen:  # both results exist from the first run, so increase() sees a 0->1
-            self._seen.add(("check", check))
-            for result in ("pass", "fail"):
-                self._i["sdc_checks_total"].add(0, self._a(check=check, result=result))
-        self._i["sdc_checks_total"].add(1, self._a(check=check, result="pass" if passed else "fail"))
-        self._i["sdc_check_duration_seconds"].record(duration_s, self._a(check=check))
-        self._i["sdc_check_last_run_timestamp_seconds"].set(time.time(), self._a(check=check))
-
-    def grad_measured(self, phase: str, norm: float, nonfinite: bool) -> None:
-        self._i["sdc_grad_norm"].set(norm, self._a(phase=phase))
-        self._i["sdc_grad_nonfinite_total"].add(1 if nonfinite else 0, self._a(phase=phase))
-
-    def replay_measured(self, origin_rank: int, loss_delta: float, grad_delta: float, mismatch: bool) -> None:
-        attrs = self._a(origin_rank=str(origin_rank))
-        self._i["sdc_replay_loss_delta"].set(loss_delta, attrs)
-        self._i["sdc_replay_grad_delta"].set(grad_delta, attrs)
-        self._i["sdc_replay_mismatches_total"].add(1 if mismatch else 0, attrs)
-
-    def weights_measured(self, agrees: bool) -> None:
-        self._i["sdc_weight_fingerprint_agreement"].set(1 if agrees else 0, self._attrs)
-        if not agrees:
-            self._i["sdc_weight_fingerprint_mismatches_total"].add(1, self._attrs)
-
-    def incident(self, incident: Incident, is_suspect: bool) -> None:
-        self._i["sdc_incidents_total"].add(1, self._a(check=incident.check))
-        if is_suspect:  # latched: nothing ever sets it back to 0
-            self._i["sdc_suspect"].set(1, self._a(check=incident.check))
-        self._incident_at = time.monotonic()
-        if self.config.on_suspect == "raise" and self._server is not None and not self._exit_hook:
-            self._exit_hook = True  # the exception may end the process without close(): still let one scrape in
-            atexit.register(self._await_scrape)
+    def report(self, report: StepReport) -> None:
+        """Record what one hook point found. Never raises: a failure is logged and counted as ``telemetry``."""
+        try:
+            self._record(report)
+        except Exception:  # telemetry never breaks training
+            self._report_failures += 1
+            if self._report_failures == 1:
+                log.exception("sdc_telemetry: recording a step report failed; training goes on, and further "
+                              "failures are only counted in sdc_internal_errors_total{component=\"telemetry\"}")
+            self.internal_error("telemetry")
 
     def internal_error(self, component: str) -> None:
-        self._i["sdc_internal_errors_total"].add(1, self._a(component=component))
+        try:
+            self._i["sdc_internal_errors_total"].add(1, self._a(component=component))
+        except Exception:  # counting an error must not become one
+            log.debug("sdc_telemetry: counting an internal error of %s failed", component, exc_info=True)
 
     def gpu_snapshot(self) -> dict[str, object]:
         if self._gpu is None:
@@ -175,17 +168,22 @@ class Telemetry(Observer):
             return {"hw_id": self._gpu.device.uuid, "error": f"{type(e).__name__}: {e}"}
 
     def close(self) -> None:
-        """Stop the endpoint, the XID watcher and the readers (a final OTLP push, bounded by its timeout)."""
+        """Set ``sdc_monitor_closed`` to 1, let one last scrape read it (bounded, see ``close_scrape_wait_s``), then
+        stop the endpoint, the XID watcher and the readers (a final OTLP push, bounded by its timeout)."""
         if self._closed:
             log.warning("sdc_telemetry: telemetry already closed")
             return
-        self._await_scrape()
         self._closed = True
-        steps: list[tuple[str, Callable[[], object]]] = [("endpoint", self._stop_server)]
+        steps: list[tuple[str, Callable[[], object]]] = []
+        if "sdc_monitor_closed" in self._i:
+            steps.append(("final scrape", self._mark_closed))
+        steps.append(("endpoint", self._stop_server))
         if self._gpu is not None:
             steps.append(("XID watcher", self._gpu.close))
         if self._owns_provider and hasattr(self, "_provider"):
-            steps.append(("meter provider", self._shutdown_provider))
+            steps.append(("meter provider", self._provider.shutdown))
+        if self._endpoint is not None:
+            steps.append(("registry", lambda: self.registry.unregister(self._endpoint)))
         if self._owned_nvml is not None:
             steps.append(("NVML", self._owned_nvml.close))
         for what, fn in steps:
@@ -193,6 +191,44 @@ class Telemetry(Observer):
                 fn()
             except Exception:  # closing must not raise into training either (logged with the traceback)
                 log.exception("sdc_telemetry: stopping the %s failed", what)
+
+    # -- recording -----------------------------------------------------------------------------------------------
+
+    def _record(self, r: StepReport) -> None:
+        _validate(r)
+        i = self._i
+        if r.counts_step:
+            i["sdc_steps_total"].add(1, self._attrs)
+        now = time.time()
+        for check, result in r.results.items():
+            if check not in self._seen_checks:  # every result exists from the first run: increase() sees 0 -> 1
+                self._seen_checks.add(check)
+                for each in RESULTS:
+                    i["sdc_checks_total"].add(0, self._a(check=check, result=each))
+            i["sdc_checks_total"].add(1, self._a(check=check, result=result))
+            if result in _RAN:  # an errored or skipped check did not run: the stalled alert must still see it stale
+                i["sdc_check_last_run_timestamp_seconds"].set(now, self._a(check=check))
+        for check, seconds in r.durations.items():
+            i["sdc_check_duration_seconds"].record(seconds, self._a(check=check))
+        for phase, norm in r.grad_norms.items():
+            i["sdc_grad_norm"].set(_gauge_value(norm), self._a(phase=phase))
+            if not math.isfinite(norm):
+                i["sdc_grad_nonfinite_total"].add(1, self._a(phase=phase))
+        if r.replay is not None:
+            i["sdc_replay_loss_delta"].set(_gauge_value(r.replay.loss_delta), self._attrs)
+            i["sdc_replay_grad_delta"].set(_gauge_value(r.replay.grad_delta), self._attrs)
+            if r.replay.mismatch:
+                i["sdc_replay_mismatches_total"].add(1, self._attrs)
+        if r.weights_agree is not None:
+            i["sdc_weight_fingerprint_agreement"].set(1 if r.weights_agree else 0, self._attrs)
+            if not r.weights_agree:
+                i["sdc_weight_fingerprint_mismatches_total"].add(1, self._attrs)
+        for incident in r.incidents:  # numerics events too: they are incidents, only never a suspect
+            i["sdc_incidents_total"].add(1, self._a(check=incident.check))
+        for check in r.suspect_checks:  # latched: nothing ever sets it back to 0
+            i["sdc_suspect"].set(1, self._a(check=check))
+        for component in r.errors:
+            i["sdc_internal_errors_total"].add(1, self._a(component=component))
 
     # -- plumbing ------------------------------------------------------------------------------------------------
 
@@ -206,38 +242,19 @@ class Telemetry(Observer):
     def _zero(self, config: SDCConfig) -> None:
         """Create the series alerts and dashboards rely on at 0, so the first event is a visible increase."""
         self._i["sdc_steps_total"].add(0, self._attrs)
-        for component in ("exporter", "nvml", *(("otlp",) if config.otlp_endpoint else ())):  # telemetry's own
+        self._i["sdc_monitor_closed"].set(0, self._attrs)
+        for component in ("exporter", "nvml", "telemetry", *(("otlp",) if config.otlp_endpoint else ())):
             self._i["sdc_internal_errors_total"].add(0, self._a(component=component))
         for check in CHECKS:
             self._i["sdc_incidents_total"].add(0, self._a(check=check))
             self._i["sdc_suspect"].set(0, self._a(check=check))
         if config.grad_checks:
-            for phase in ("local", "reduced"):
+            for phase in PHASES:
                 self._i["sdc_grad_nonfinite_total"].add(0, self._a(phase=phase))
+        if config.replay_every:
+            self._i["sdc_replay_mismatches_total"].add(0, self._attrs)
         if config.weights_every:
             self._i["sdc_weight_fingerprint_mismatches_total"].add(0, self._attrs)
-
-    def _prometheus_reader(self) -> tuple[PrometheusMetricReader, bool]:
-        kwargs: dict[str, Any] = {}
-        copies_resource = "resource_attribute_filter" in _READER_PARAMS
-        if copies_resource:
-            kwargs["resource_attribute_filter"] = _RESOURCE_LABELS.__contains__
-        if "scope_info_enabled" in _READER_PARAMS:
-            kwargs["scope_info_enabled"] = False
-        if "registry" in _READER_PARAMS:
-            return PrometheusMetricReader(registry=self.registry, **kwargs), copies_resource
-        # Older exporters register on the global registry only: move the collector to ours (and back in close()).
-        reader = PrometheusMetricReader(**kwargs)
-        prometheus_client.REGISTRY.unregister(reader._collector)
-        self.registry.register(reader._collector)
-        self._moved_collector = reader._collector
-        return reader, copies_resource
-
-    def _shutdown_provider(self) -> None:
-        if self._moved_collector is not None:
-            self.registry.unregister(self._moved_collector)
-            prometheus_client.REGISTRY.register(self._moved_collector)
-        self._provider.shutdown()
 
     def _serve(self) -> None:
         base = self.config.metrics_port
@@ -263,17 +280,27 @@ class Telemetry(Observer):
         self.port = int(self._server.server_port)
         log.info("sdc_telemetry: rank %d serves metrics on http://%s:%d/metrics", self.identity.rank, host, self.port)
 
-    def _await_scrape(self) -> None:
-        """Keep serving until the registry was collected after the last incident, at most ``scrape_grace_s``."""
-        if self._closed or self._server is None or self._incident_at is None:
-            return
-        deadline = time.monotonic() + self._scrape_grace_s
-        if self._last_scrape >= self._incident_at:
-            return
-        log.warning("sdc_telemetry: rank %d keeps http://%s:%s/metrics up until Prometheus scrapes the incident "
-                    "(at most %.0fs)", self.identity.rank, self.config.metrics_host, self.port, self._scrape_grace_s)
-        while self._last_scrape < self._incident_at and time.monotonic() < deadline:
-            time.sleep(0.05)
+    def _note_scrape(self, started: float) -> None:
+        with self._scraped:
+            if self._last_scrape is not None:
+                self._scrape_interval = started - self._last_scrape
+            self._last_scrape = started
+            self._scraped.notify_all()
+
+    def _mark_closed(self) -> None:
+        """``sdc_monitor_closed`` = 1, then wait for a scrape that started after it, when Prometheus watches."""
+        self._i["sdc_monitor_closed"].set(1, self._attrs)
+        closed_at = time.monotonic()
+        with self._scraped:
+            if self._server is None or self._last_scrape is None:
+                return  # no endpoint, or nobody has ever scraped it: nobody to tell
+            wait_s = self._close_scrape_wait_s
+            if self._scrape_interval is not None:
+                wait_s = min(wait_s, 1.5 * self._scrape_interval)
+            seen = self._scraped.wait_for(lambda: self._last_scrape is not None and self._last_scrape > closed_at,
+                                          timeout=wait_s)
+        if not seen:
+            log.info("sdc_telemetry: rank %d closed without a final scrape within %.1fs", self.identity.rank, wait_s)
 
     def _stop_server(self) -> None:
         if self._server is not None:
@@ -298,18 +325,48 @@ class Telemetry(Observer):
         self._gpu = GPUCollector(device, meter, self._attrs, self.internal_error)
 
 
-class _ScrapeClock:
-    """A collector with no metrics: registered in the served registry, it notes when a scrape happened."""
+class _Endpoint:
+    """What the endpoint serves: the OpenTelemetry exporter's registry, with ``NONFINITE`` gauge values rendered as
+    +Inf, noting each completed scrape (its start time) for ``close()``."""
 
-    def __init__(self, owner: Telemetry) -> None:
-        self._owner = owner
+    def __init__(self, otel_registry: prometheus_client.CollectorRegistry,
+                 on_scrape: Callable[[float], None]) -> None:
+        self._otel = otel_registry
+        self._on_scrape = on_scrape
 
-    def describe(self) -> list[Any]:
+    def describe(self) -> list[Metric]:
         return []
 
-    def collect(self) -> list[Any]:
-        self._owner._last_scrape = time.monotonic()
-        return []
+    def collect(self) -> Iterator[Metric]:
+        started = time.monotonic()
+        for metric in self._otel.collect():
+            if metric.type == "gauge":
+                metric.samples = [s._replace(value=math.inf) if s.value == NONFINITE else s for s in metric.samples]
+            yield metric
+        self._on_scrape(started)  # after the last family: the scrape has read everything, closed gauge included
+
+
+def _gauge_value(x: float) -> float:
+    return x if math.isfinite(x) else NONFINITE
+
+
+def _validate(r: StepReport) -> None:
+    """A report whose labels would leave the fixed series set, or that the SDK would drop, is a monitor bug."""
+    if not isinstance(r, StepReport):
+        raise TypeError(f"Telemetry.report expects a StepReport, got {type(r).__name__}")
+    for check, result in r.results.items():
+        if result not in RESULTS:
+            raise ValueError(f"StepReport.results[{check!r}] is {result!r}, not one of {'|'.join(RESULTS)}")
+    checks = [*r.results, *r.durations, *r.suspect_checks, *(inc.check for inc in r.incidents)]
+    unknown = sorted({c for c in checks if c not in CHECKS})
+    if unknown:
+        raise ValueError(f"StepReport names unknown check(s) {unknown}; known: {', '.join(CHECKS)}")
+    for check, seconds in r.durations.items():
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"StepReport.durations[{check!r}] is {seconds!r}, not a finite number of seconds >= 0")
+    bad_phases = sorted(set(r.grad_norms) - set(PHASES))
+    if bad_phases:
+        raise ValueError(f"StepReport.grad_norms has unknown phase(s) {bad_phases}; known: {', '.join(PHASES)}")
 
 
 def _instrument(meter: Meter, f: Family) -> Any:

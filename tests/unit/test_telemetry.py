@@ -1,10 +1,12 @@
-"""Telemetry: exact scraped names and labels, identity on every series, and the failure modes that must not stop
-training (port in use, NVML missing or failing, OTLP unreachable, close leaving nothing behind)."""
+"""Telemetry: one StepReport mapped onto exact scraped names and labels, identity on every series, a fixed series
+count, the clean-close gauge, and the failure modes that must not stop training (port in use, NVML missing or
+failing, OTLP unreachable, a malformed report, close leaving nothing behind)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import socket
 import threading
 import time
@@ -20,12 +22,14 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sdc_telemetry import telemetry as telemetry_mod
+from sdc_telemetry.checks import CHECKS
 from sdc_telemetry.config import SDCConfig
 from sdc_telemetry.identity import RankIdentity
 from sdc_telemetry.metrics import CHECK_DURATION_BUCKETS, FAMILIES, GPU, IDENTITY_LABELS, SDC, family
 from sdc_telemetry.nvml import FakeNVML
+from sdc_telemetry.observer import ReplayDeltas, StepReport
 from sdc_telemetry.response import Incident
-from sdc_telemetry.telemetry import Telemetry
+from sdc_telemetry.telemetry import NONFINITE, Telemetry
 
 IDENT = RankIdentity(rank=3, local_rank=1, host_name="node-b", hw_id="GPU-11111111-2222-3333-4444-555555555555")
 CPU_IDENT = RankIdentity(rank=0, local_rank=0, host_name="node-a", hw_id="cpu:node-a:0")
@@ -39,6 +43,11 @@ def free_port() -> int:
 
 def cfg(**kw: Any) -> SDCConfig:
     return SDCConfig(**{"metrics_port": None, "metrics_host": "127.0.0.1", "nvml": False, "job_name": "job", **kw})
+
+
+def served(**kw: Any) -> SDCConfig:
+    """A config whose rank (local_rank 1 of IDENT) listens on a free port."""
+    return cfg(metrics_port=free_port() - IDENT.local_rank, **kw)
 
 
 def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -55,7 +64,8 @@ def value(text: str, name: str, **labels: str) -> float | None:
     return hits[0] if hits else None
 
 
-def scrape(port: int) -> str:
+def scrape(port: int | None) -> str:
+    assert port is not None
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         return str(resp.read().decode())
 
@@ -65,6 +75,7 @@ def make() -> Iterator[Any]:
     made: list[Telemetry] = []
 
     def build(config: SDCConfig | None = None, identity: RankIdentity = IDENT, **deps: Any) -> Telemetry:
+        deps.setdefault("close_scrape_wait_s", 0.0)  # tests of the final-scrape wait set it themselves
         t = Telemetry(config or cfg(), identity, **deps)
         made.append(t)
         return t
@@ -75,29 +86,36 @@ def make() -> Iterator[Any]:
             t.close()
 
 
-def exercise(t: Telemetry) -> None:
-    """Call every Observer method once."""
-    t.step_done(0)
-    t.check_done("weights", True, 0.0003)
-    t.grad_measured("local", 2.5, False)
-    t.grad_measured("reduced", float("nan"), True)
-    t.replay_measured(1, 0.0, 1e-3, True)
-    t.weights_measured(False)
-    t.incident(Incident(step=0, check="weights", suspect_ranks=(3,), suspects=(IDENT,)), True)
-    t.internal_error("replay")
+def full_report(step: int = 0, **kw: Any) -> StepReport:
+    """A report touching every SDC family: all four checks, both phases, a replay, weights, an incident."""
+    base: dict[str, Any] = {
+        "results": dict.fromkeys(CHECKS, "pass") | {"weights": "fail"},
+        "durations": dict.fromkeys(CHECKS, 0.0003),
+        "grad_norms": {"local": 2.5, "reduced": 2.5},
+        "replay": ReplayDeltas(loss_delta=0.0, grad_delta=1e-3, mismatch=True),
+        "weights_agree": False,
+        "incidents": (Incident(step=step, check="weights", suspect_ranks=(3,), suspects=(IDENT,)),),
+        "suspect_checks": ("weights",),
+        "errors": ("replay",),
+    }
+    return StepReport(step=step, **(base | kw))
+
+
+def run_until(done: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
 
 
 def test_scraped_names_are_exactly_the_table(make: Any) -> None:
     """Over HTTP, every family of the metric table is scraped under its `name`, and nothing else but target_info."""
-    port = free_port()
-    t = make(cfg(metrics_port=port - IDENT.local_rank), nvml=FakeNVML(IDENT.hw_id))
-    exercise(t)
+    t = make(served(), nvml=FakeNVML(IDENT.hw_id))
+    t.report(full_report())
+    assert t._gpu is not None
     t._gpu.device.inject_xid(79)
-    deadline = time.monotonic() + 5
-    while not t._gpu.xid.counts() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert t.port == port
-    text = scrape(port)
+    run_until(lambda: bool(t._gpu.xid.counts()))
+    text = scrape(t.port)
     names = {n for n, _, _ in samples(text)}
     expected = set()
     for f in FAMILIES:
@@ -111,7 +129,7 @@ def test_scraped_names_are_exactly_the_table(make: Any) -> None:
 def test_every_series_carries_identity_and_only_its_family_labels(make: Any) -> None:
     """Each series has service_name, service_instance_id, host_name, rank, local_rank, hw_id plus its own labels."""
     t = make(nvml=FakeNVML(IDENT.hw_id))
-    exercise(t)
+    t.report(full_report())
     by_name = {f.name: f for f in FAMILIES}
     for name, labels, _ in samples(text_of(t)):
         if name == "target_info":
@@ -124,24 +142,18 @@ def test_every_series_carries_identity_and_only_its_family_labels(make: Any) -> 
         assert labels["hw_id"] == IDENT.hw_id
 
 
-def test_identity_recorded_on_points_when_exporter_cannot_copy_resource(make: Any,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """With an exporter lacking resource_attribute_filter the identity labels are still on every series."""
-    monkeypatch.setattr(telemetry_mod, "_READER_PARAMS", telemetry_mod._READER_PARAMS - {"resource_attribute_filter"})
-    t = make()
-    exercise(t)
-    rows = [(n, lab) for n, lab, _ in samples(text_of(t)) if n != "target_info"]
-    assert rows and all(set(IDENTITY_LABELS) <= set(lab) for _, lab in rows)
-    assert value(text_of(t), "sdc_steps_total", rank="3", service_name="job") == 1
+def test_replay_families_have_no_partner_label() -> None:
+    """The replay families carry no per-partner label, so a rank's series count does not grow with world size."""
+    for name in ("sdc_replay_loss_delta", "sdc_replay_grad_delta", "sdc_replay_mismatches_total"):
+        assert family(name).labels == ()
 
 
 def test_otel_side_uses_the_private_provider_and_resource(make: Any) -> None:
-    """Extra readers see the OTel instrument names, and the resource of DESIGN.md section 4."""
+    """Extra readers see the OTel instrument names, and the resource names job, instance, host, rank and GPU."""
     reader = InMemoryMetricReader()
     t = make(readers=[reader])
-    exercise(t)
-    data = reader.get_metrics_data()
-    rm = data.resource_metrics[0]
+    t.report(full_report())
+    rm = reader.get_metrics_data().resource_metrics[0]
     attrs = dict(rm.resource.attributes)
     assert {k: attrs[k] for k in ("service.name", "service.instance.id", "host.name", "rank", "local_rank",
                                    "hw.id")} == {"service.name": "job", "service.instance.id": "node-b-rank3",
@@ -156,7 +168,7 @@ def test_caller_meter_provider_gets_identity_on_points_and_is_not_shut_down(make
     reader = InMemoryMetricReader()
     provider = MeterProvider(metric_readers=[reader])
     t = make(cfg(metrics_port=free_port()), meter_provider=provider)
-    t.step_done(0)
+    t.report(StepReport(step=0))
     t.close()
     assert t.port is None
     points = [p for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
@@ -168,71 +180,228 @@ def test_caller_meter_provider_gets_identity_on_points_and_is_not_shut_down(make
 def test_check_duration_histogram_uses_the_explicit_buckets(make: Any) -> None:
     """sdc_check_duration_seconds has exactly CHECK_DURATION_BUCKETS (+Inf) as bucket bounds."""
     t = make()
-    t.check_done("replay", True, 0.0004)
-    les = [lab["le"] for n, lab, _ in samples(text_of(t)) if n == "sdc_check_duration_seconds_bucket"]
-    assert [float(x) for x in les] == [*CHECK_DURATION_BUCKETS, float("inf")]
-    assert value(text_of(t), "sdc_check_duration_seconds_bucket", le="0.0005") == 1
-    assert value(text_of(t), "sdc_check_duration_seconds_bucket", le="0.00025") == 0
-
-
-def test_check_done_counts_results_and_creates_the_fail_series_at_zero(make: Any) -> None:
-    """The first pass of a check also exposes its fail counter at 0, so the first failure is an increase."""
-    t = make()
-    before = time.time()
-    t.check_done("grad_local", True, 0.001)
-    t.check_done("grad_local", True, 0.001)
+    t.report(StepReport(step=0, results={"replay": "pass"}, durations={"replay": 0.0004}))
     text = text_of(t)
-    assert value(text, "sdc_checks_total", check="grad_local", result="pass") == 2
-    assert value(text, "sdc_checks_total", check="grad_local", result="fail") == 0
-    assert (value(text, "sdc_check_last_run_timestamp_seconds", check="grad_local") or 0) >= before
-    t.check_done("grad_local", False, 0.001)
-    assert value(text_of(t), "sdc_checks_total", check="grad_local", result="fail") == 1
+    les = [lab["le"] for n, lab, _ in samples(text) if n == "sdc_check_duration_seconds_bucket"]
+    assert [float(x) for x in les] == [*CHECK_DURATION_BUCKETS, float("inf")]
+    assert value(text, "sdc_check_duration_seconds_bucket", le="0.0005") == 1
+    assert value(text, "sdc_check_duration_seconds_bucket", le="0.00025") == 0
+
+
+def test_first_result_of_a_check_creates_all_four_result_series(make: Any) -> None:
+    """A check's first report exposes pass, fail, error and skipped, so the first of each is an increase from 0."""
+    t = make()
+    t.report(StepReport(step=0, results={"grad_local": "pass"}))
+    text = text_of(t)
+    assert {r: value(text, "sdc_checks_total", check="grad_local", result=r)
+            for r in ("pass", "fail", "error", "skipped")} == {"pass": 1, "fail": 0, "error": 0, "skipped": 0}
+    assert value(text, "sdc_checks_total", check="replay", result="pass") is None  # a check never reported
+    for step, result in enumerate(("error", "skipped", "skipped", "fail"), start=1):
+        t.report(StepReport(step=step, results={"grad_local": result}))
+    text = text_of(t)
+    assert {r: value(text, "sdc_checks_total", check="grad_local", result=r)
+            for r in ("pass", "fail", "error", "skipped")} == {"pass": 1, "fail": 1, "error": 1, "skipped": 2}
+
+
+def test_last_run_timestamp_moves_only_when_the_check_ran(make: Any) -> None:
+    """pass and fail set sdc_check_last_run_timestamp_seconds; error and skipped leave it, so it goes stale."""
+    t = make()
+    t.report(StepReport(step=0, results={"replay": "error"}))
+    assert value(text_of(t), "sdc_check_last_run_timestamp_seconds", check="replay") is None
+    before = time.time()
+    t.report(StepReport(step=1, results={"replay": "fail"}))
+    ran = value(text_of(t), "sdc_check_last_run_timestamp_seconds", check="replay")
+    assert ran is not None and ran >= before
+    t.report(StepReport(step=2, results={"replay": "skipped"}))
+    t.report(StepReport(step=3, results={"replay": "error"}))
+    assert value(text_of(t), "sdc_check_last_run_timestamp_seconds", check="replay") == ran
 
 
 def test_series_alerts_need_exist_at_zero_from_the_start(make: Any) -> None:
-    """Steps, incidents and suspect per check, non-finite per phase, weight mismatches start at 0."""
-    text = text_of(make(cfg(grad_checks=True, weights_every=1)))
+    """Steps, incidents and suspect per check, non-finite per phase, mismatches, closed and errors start at 0."""
+    text = text_of(make(cfg(grad_checks=True, weights_every=1, replay_every=10)))
     assert value(text, "sdc_steps_total") == 0
-    for check in ("grad_local", "grad_reduced", "replay", "weights"):
+    for check in CHECKS:
         assert value(text, "sdc_incidents_total", check=check) == 0
         assert value(text, "sdc_suspect", check=check) == 0
     for phase in ("local", "reduced"):
         assert value(text, "sdc_grad_nonfinite_total", phase=phase) == 0
     assert value(text, "sdc_weight_fingerprint_mismatches_total") == 0
-    assert value(text, "sdc_internal_errors_total", component="exporter") == 0
+    assert value(text, "sdc_replay_mismatches_total") == 0
+    assert value(text, "sdc_monitor_closed") == 0
+    for component in ("exporter", "nvml", "telemetry"):
+        assert value(text, "sdc_internal_errors_total", component=component) == 0
 
 
-def test_observer_methods_record_their_families(make: Any) -> None:
-    """Gradient, replay, weight and internal-error calls land in their families with the right labels."""
+def test_report_records_every_family(make: Any) -> None:
+    """One report lands in steps, checks, gradient, replay, weight, incident, suspect and internal-error families."""
     t = make()
-    exercise(t)
+    t.report(full_report())
     text = text_of(t)
     assert value(text, "sdc_steps_total") == 1
+    assert value(text, "sdc_checks_total", check="weights", result="fail") == 1
+    assert value(text, "sdc_checks_total", check="replay", result="pass") == 1
+    assert value(text, "sdc_check_duration_seconds_count", check="grad_reduced") == 1
     assert value(text, "sdc_grad_norm", phase="local") == 2.5
-    assert value(text, "sdc_grad_nonfinite_total", phase="reduced") == 1
     assert value(text, "sdc_grad_nonfinite_total", phase="local") == 0
-    assert value(text, "sdc_replay_grad_delta", origin_rank="1") == 1e-3
-    assert value(text, "sdc_replay_loss_delta", origin_rank="1") == 0
-    assert value(text, "sdc_replay_mismatches_total", origin_rank="1") == 1
+    assert value(text, "sdc_replay_grad_delta") == 1e-3
+    assert value(text, "sdc_replay_loss_delta") == 0
+    assert value(text, "sdc_replay_mismatches_total") == 1
     assert value(text, "sdc_weight_fingerprint_agreement") == 0
     assert value(text, "sdc_weight_fingerprint_mismatches_total") == 1
+    assert value(text, "sdc_incidents_total", check="weights") == 1
+    assert value(text, "sdc_suspect", check="weights") == 1
     assert value(text, "sdc_internal_errors_total", component="replay") == 1
+
+
+def test_on_demand_report_counts_no_step_and_agreement_counts_no_mismatch(make: Any) -> None:
+    """counts_step=False (verify_weights, certificate) adds no step; weights that agree set 1 and add no mismatch."""
+    t = make(cfg(weights_every=1))
+    t.report(StepReport(step=5, counts_step=False, results={"weights": "pass"}, weights_agree=True,
+                        replay=ReplayDeltas(loss_delta=0.0, grad_delta=0.0, mismatch=False)))
+    text = text_of(t)
+    assert value(text, "sdc_steps_total") == 0
+    assert value(text, "sdc_weight_fingerprint_agreement") == 1
+    assert value(text, "sdc_weight_fingerprint_mismatches_total") == 0
+    assert value(text, "sdc_replay_mismatches_total") == 0
 
 
 def test_suspect_latches_and_incidents_count_on_every_rank(make: Any) -> None:
     """sdc_suspect{check} stays 1 once this rank was suspected; a bystander counts the incident but stays 0."""
     suspect, bystander = make(), make(identity=CPU_IDENT)
     inc = Incident(step=4, check="replay", suspect_ranks=(3,), suspects=(IDENT,))
-    suspect.incident(inc, True)
-    bystander.incident(inc, False)
-    suspect.weights_measured(True)
-    suspect.incident(Incident(step=9, check="weights", suspect_ranks=(0,), suspects=(CPU_IDENT,)), False)
+    suspect.report(StepReport(step=4, incidents=(inc,), suspect_checks=("replay",)))
+    bystander.report(StepReport(step=4, incidents=(inc,)))
+    suspect.report(StepReport(step=5, results={"replay": "pass"}, weights_agree=True))
     text = text_of(suspect)
     assert value(text, "sdc_suspect", check="replay") == 1
     assert value(text, "sdc_suspect", check="weights") == 0
     assert value(text, "sdc_incidents_total", check="replay") == 1
     assert value(text_of(bystander), "sdc_suspect", check="replay") == 0
     assert value(text_of(bystander), "sdc_incidents_total", check="replay") == 1
+
+
+def test_numerics_event_is_counted_as_an_incident_without_a_suspect(make: Any) -> None:
+    """A numerics event (every rank non-finite) increments sdc_incidents_total and leaves sdc_suspect at 0."""
+    t = make()
+    event = Incident(step=2, check="grad_local", suspect_ranks=(), suspects=(), evidence={"verdict": "numerics"})
+    assert event.numerics
+    t.report(StepReport(step=2, results={"grad_local": "fail"}, incidents=(event,)))
+    text = text_of(t)
+    assert value(text, "sdc_incidents_total", check="grad_local") == 1
+    assert value(text, "sdc_suspect", check="grad_local") == 0
+
+
+def test_nonfinite_values_scrape_as_inf_without_warnings(make: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A NaN/Inf norm or replay delta is scraped as +Inf each step (not frozen, no SDK warning) and counted."""
+    reader = InMemoryMetricReader()
+    t = make(served(), readers=[reader])
+    t.report(StepReport(step=0, grad_norms={"local": 1.5, "reduced": 1.5}))
+    with caplog.at_level(logging.WARNING):
+        for step in (1, 2):
+            t.report(StepReport(step=step, grad_norms={"local": float("nan"), "reduced": float("inf")},
+                                replay=ReplayDeltas(loss_delta=float("nan"), grad_delta=0.5, mismatch=True)))
+        text = scrape(t.port)
+    assert caplog.records == []
+    assert value(text, "sdc_grad_norm", phase="local") == math.inf
+    assert value(text, "sdc_grad_norm", phase="reduced") == math.inf
+    assert value(text, "sdc_replay_loss_delta") == math.inf
+    assert value(text, "sdc_grad_nonfinite_total", phase="local") == 2
+    assert any(line.startswith("sdc_grad_norm{") and 'phase="local"' in line and line.endswith(" +Inf")
+               for line in text.splitlines())
+    norms = [p.value for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
+             for m in sm.metrics if m.name == family("sdc_grad_norm").otel_name for p in m.data.data_points]
+    assert norms == [NONFINITE, NONFINITE]  # other readers (OTLP) get the largest float
+    t.report(StepReport(step=3, grad_norms={"local": 0.5}))
+    assert value(scrape(t.port), "sdc_grad_norm", phase="local") == 0.5
+
+
+def test_sample_count_is_bounded_and_fixed(make: Any) -> None:
+    """A rank serves at most 200 sdc_ samples, and the same series after 2 audits as after 24 more."""
+    t = make(served(grad_checks=True, weights_every=1, replay_every=1))
+
+    def series() -> set[tuple[str, tuple[tuple[str, str], ...]]]:
+        return {(n, tuple(sorted(lab.items()))) for n, lab, _ in samples(scrape(t.port)) if n.startswith("sdc_")}
+
+    for step in range(2):
+        t.report(full_report(step, replay=ReplayDeltas(loss_delta=1e-6 * step, grad_delta=1e-5, mismatch=False)))
+    after_two = series()
+    for step in range(2, 26):
+        t.report(full_report(step, replay=ReplayDeltas(loss_delta=1e-6 * step, grad_delta=1e-5, mismatch=step == 7)))
+    after_more = series()
+    assert len(after_two) <= 200
+    assert after_more == after_two
+
+
+def test_malformed_report_is_logged_once_counted_and_never_raises(make: Any,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """An unknown result, check or phase raises nothing: logged once (naming it), counted as telemetry."""
+    t = make()
+    with caplog.at_level(logging.WARNING, logger="sdc_telemetry"):
+        t.report(StepReport(step=0, results={"weights": "ok"}))
+        t.report(StepReport(step=1, results={"gradient": "pass"}))
+        t.report(StepReport(step=2, grad_norms={"global": 1.0}))
+        t.report("step 3")  # type: ignore[arg-type]
+    assert "'ok'" in caplog.text and "pass|fail|error|skipped" in caplog.text
+    assert caplog.text.count("recording a step report failed") == 1
+    t.report(StepReport(step=4, results={"weights": "pass"}))
+    text = text_of(t)
+    assert value(text, "sdc_internal_errors_total", component="telemetry") == 4
+    assert value(text, "sdc_steps_total") == 1
+    assert value(text, "sdc_checks_total", check="weights", result="pass") == 1
+    assert value(text, "sdc_checks_total", check="gradient", result="pass") is None
+
+
+def test_close_keeps_the_endpoint_until_the_closed_gauge_is_scraped(make: Any) -> None:
+    """Once scraped, close() sets sdc_monitor_closed to 1 and serves until a scrape has read it, then stops."""
+    reader = InMemoryMetricReader()
+    t = make(served(), readers=[reader], close_scrape_wait_s=8.0)
+    assert value(scrape(t.port), "sdc_monitor_closed") == 0  # Prometheus is watching
+
+    def closed() -> float:
+        return next(p.value for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
+                    for m in sm.metrics if m.name == family("sdc_monitor_closed").otel_name
+                    for p in m.data.data_points)
+
+    closer = threading.Thread(target=t.close)
+    closer.start()
+    run_until(lambda: closed() == 1)
+    assert closer.is_alive()  # held open by the missing final scrape (the bound here is 8 s)
+    assert value(scrape(t.port), "sdc_monitor_closed") == 1
+    closer.join(timeout=10)
+    assert not closer.is_alive()
+    with pytest.raises(urllib.error.URLError):
+        scrape(t.port)
+
+
+def test_close_never_scraped_does_not_wait(make: Any) -> None:
+    """An endpoint nobody ever scraped closes at once, even with a huge close_scrape_wait_s."""
+    t = make(served(), close_scrape_wait_s=3600)
+    closer = threading.Thread(target=t.close)
+    closer.start()
+    closer.join(timeout=30)
+    assert not closer.is_alive()
+
+
+def test_close_wait_is_bounded_by_the_scrape_interval_and_the_cap(make: Any) -> None:
+    """Without a final scrape, close() gives up after 1.5 observed scrape intervals, or close_scrape_wait_s."""
+    by_interval = make(served(), close_scrape_wait_s=3600)
+    scrape(by_interval.port)
+    scrape(by_interval.port)  # an interval of milliseconds
+    by_cap = make(served(), close_scrape_wait_s=0.1)
+    scrape(by_cap.port)  # one scrape: interval unknown, the cap applies
+    for t in (by_interval, by_cap):
+        closer = threading.Thread(target=t.close)
+        closer.start()
+        closer.join(timeout=30)
+        assert not closer.is_alive()
+
+
+def test_close_scrape_wait_must_be_a_finite_non_negative_number() -> None:
+    """close_scrape_wait_s=-1 or NaN is a ValueError naming the argument."""
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="close_scrape_wait_s"):
+            Telemetry(cfg(), IDENT, close_scrape_wait_s=bad)
 
 
 def test_port_in_use_logs_the_port_counts_and_training_continues(make: Any,
@@ -243,7 +412,7 @@ def test_port_in_use_logs_the_port_counts_and_training_continues(make: Any,
         with caplog.at_level(logging.WARNING, logger="sdc_telemetry"):
             t = make(cfg(metrics_port=port - IDENT.local_rank))
         assert t.port is None
-        t.step_done(0)
+        t.report(StepReport(step=0))
         text = text_of(t)
     assert value(text, "sdc_internal_errors_total", component="exporter") == 1
     assert value(text, "sdc_steps_total") == 1
@@ -263,21 +432,19 @@ def test_close_stops_server_and_threads(make: Any) -> None:
     """close() stops the endpoint, the XID watcher and the OTLP reader: no thread is left, the port is free again."""
     time.sleep(0.05)
     before = set(threading.enumerate())
-    port = free_port()
-    t = make(cfg(metrics_port=port - IDENT.local_rank, otlp_endpoint=f"http://127.0.0.1:{free_port()}/v1/metrics"),
-             nvml=FakeNVML(IDENT.hw_id), otlp_interval_s=60, otlp_timeout_s=0.5)
-    exercise(t)
+    config = served(otlp_endpoint=f"http://127.0.0.1:{free_port()}/v1/metrics")
+    t = make(config, nvml=FakeNVML(IDENT.hw_id), otlp_interval_s=60, otlp_timeout_s=0.5)
+    t.report(full_report())
+    port = t.port
     assert "sdc_steps_total" in scrape(port)
     assert set(threading.enumerate()) - before
     t.close()
-    deadline = time.monotonic() + 5
-    while set(threading.enumerate()) - before and time.monotonic() < deadline:
-        time.sleep(0.02)  # the last request's worker thread finishes on its own
-    assert set(threading.enumerate()) - before == set()
+    run_until(lambda: not set(threading.enumerate()) - before)  # the last request's worker finishes on its own
     with pytest.raises(urllib.error.URLError):
         scrape(port)
     with socket.create_server(("127.0.0.1", port)):
         pass
+    assert "sdc_steps_total" not in text_of(t)  # the served registry is left empty
 
 
 def test_second_close_only_warns(make: Any, caplog: pytest.LogCaptureFixture) -> None:
@@ -289,38 +456,39 @@ def test_second_close_only_warns(make: Any, caplog: pytest.LogCaptureFixture) ->
     assert "already closed" in caplog.text
 
 
-def test_otlp_unreachable_never_stalls_training(make: Any) -> None:
-    """With a refused OTLP endpoint recording stays fast, failures are counted, and close() is bounded."""
+def test_otlp_unreachable_is_counted_and_close_returns(make: Any) -> None:
+    """With a refused OTLP endpoint failures are counted as otlp, and close() returns and leaves no thread."""
     before = set(threading.enumerate())
     t = make(cfg(otlp_endpoint=f"http://127.0.0.1:{free_port()}/v1/metrics"), otlp_interval_s=0.05,
              otlp_timeout_s=0.5)
-    start = time.perf_counter()
-    for step in range(500):
-        t.step_done(step)
-        t.check_done("weights", True, 1e-4)
-    assert time.perf_counter() - start < 2.0
-    deadline = time.monotonic() + 10
-    while not value(text_of(t), "sdc_internal_errors_total", component="otlp") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert (value(text_of(t), "sdc_internal_errors_total", component="otlp") or 0) >= 1
-    start = time.perf_counter()
-    t.close()
-    assert time.perf_counter() - start < 5.0
+    for step in range(50):
+        t.report(StepReport(step=step, results={"weights": "pass"}, durations={"weights": 1e-4}))
+    run_until(lambda: bool(value(text_of(t), "sdc_internal_errors_total", component="otlp")))
+    closer = threading.Thread(target=t.close)
+    closer.start()
+    closer.join(timeout=30)
+    assert not closer.is_alive()
     assert set(threading.enumerate()) - before == set()
 
 
 def test_otlp_endpoint_that_never_answers_bounds_close(make: Any) -> None:
-    """A collector that accepts connections but never replies holds close() for at most the export timeout."""
+    """A collector that accepts connections but never replies does not hold close() forever."""
     with socket.create_server(("127.0.0.1", 0)) as blackhole:
         port = blackhole.getsockname()[1]
         t = make(cfg(otlp_endpoint=f"http://127.0.0.1:{port}/v1/metrics"), otlp_interval_s=60, otlp_timeout_s=0.5)
-        start = time.perf_counter()
-        for step in range(200):
-            t.step_done(step)
-        assert time.perf_counter() - start < 1.0
-        start = time.perf_counter()
-        t.close()
-        assert time.perf_counter() - start < 4.0
+        t.report(StepReport(step=0))
+        closer = threading.Thread(target=t.close)
+        closer.start()
+        closer.join(timeout=30)
+        assert not closer.is_alive()
+
+
+def test_internal_error_counts_by_component(make: Any) -> None:
+    """internal_error(component) outside a report increments sdc_internal_errors_total{component}."""
+    t = make()
+    t.internal_error("alertmanager")
+    t.internal_error("alertmanager")
+    assert value(text_of(t), "sdc_internal_errors_total", component="alertmanager") == 2
 
 
 def test_nvml_missing_warns_once_and_exports_no_gpu_series(make: Any, monkeypatch: pytest.MonkeyPatch,
@@ -332,7 +500,7 @@ def test_nvml_missing_warns_once_and_exports_no_gpu_series(make: Any, monkeypatc
     monkeypatch.setattr(telemetry_mod._nvml, "RealNVML", missing)
     with caplog.at_level(logging.WARNING, logger="sdc_telemetry"):
         t = make(cfg(nvml=True))
-    t.step_done(0)
+    t.report(StepReport(step=0))
     text = text_of(t)
     assert value(text, "sdc_internal_errors_total", component="nvml") == 1
     assert value(text, "sdc_steps_total") == 1
@@ -382,37 +550,8 @@ def test_gpu_snapshot_is_json_and_names_the_source(make: Any) -> None:
 
 
 def test_unknown_dependency_is_a_type_error() -> None:
-    """A misspelt keyword (registy=) is a TypeError, which the monitor logs."""
+    """A misspelt keyword (registy=) or the removed scrape_grace_s= is a TypeError, which the monitor logs."""
     with pytest.raises(TypeError):
         Telemetry(cfg(), IDENT, registy=None)  # type: ignore[call-arg]
-
-
-def test_close_after_an_incident_waits_for_one_scrape(make: Any) -> None:
-    """An incident not yet scraped keeps the endpoint up in close() until Prometheus has read it."""
-    t = make(cfg(metrics_port=free_port(), on_suspect="raise"), scrape_grace_s=30)
-    inc = Incident(step=1, check="weights", suspect_ranks=(3,), suspects=(IDENT,), evidence={})
-    t.incident(inc, is_suspect=True)
-    closer = threading.Thread(target=t.close)
-    closer.start()
-    time.sleep(0.3)
-    assert closer.is_alive()  # still serving: nobody has scraped the incident yet
-    assert value(scrape(t.port), "sdc_suspect", check="weights") == 1
-    closer.join(timeout=10)
-    assert not closer.is_alive()
-
-
-def test_close_does_not_wait_without_an_unscraped_incident(make: Any) -> None:
-    """No incident, or one already scraped: close() returns at once; the wait is bounded by scrape_grace_s."""
-    t = make(cfg(metrics_port=free_port()), scrape_grace_s=30)
-    t.incident(Incident(step=1, check="weights", suspect_ranks=(3,), suspects=(IDENT,), evidence={}), True)
-    scrape(t.port)
-    closer = threading.Thread(target=t.close)
-    closer.start()
-    closer.join(timeout=5)
-    assert not closer.is_alive()
-    bounded = make(cfg(metrics_port=free_port()), scrape_grace_s=0.2)
-    bounded.incident(Incident(step=1, check="replay", suspect_ranks=(3,), suspects=(IDENT,), evidence={}), True)
-    closer = threading.Thread(target=bounded.close)
-    closer.start()
-    closer.join(timeout=5)
-    assert not closer.is_alive()
+    with pytest.raises(TypeError):
+        Telemetry(cfg(), IDENT, scrape_grace_s=60)  # type: ignore[call-arg]
