@@ -35,6 +35,7 @@ import logging
 import os
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import threading
@@ -244,6 +245,8 @@ class Responder:
                  dry_run: bool = False, state_file: str | Path | None = None, timeout_s: float = 60.0,
                  clock: Callable[[], float] = time.time) -> None:
         self.argv = parse_template(command)
+        if not dry_run and shutil.which(self.argv[0]) is None:
+            raise TemplateError(f"--command: program {self.argv[0]!r} not found (not on PATH, or not executable)")
         if isinstance(max_actions_per_hour, bool) or not isinstance(max_actions_per_hour, int) \
                 or max_actions_per_hour < 0:
             raise ValueError(f"max_actions_per_hour must be an integer >= 0, got {max_actions_per_hour!r}")

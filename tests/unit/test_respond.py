@@ -228,6 +228,13 @@ def test_bad_templates_are_refused_naming_the_problem(template: str, problem: st
         parse_template(template)
 
 
+def test_missing_program_is_refused_unless_dry_run() -> None:
+    """A program that is not on PATH is refused at start; a dry run (a drill on a laptop) accepts it."""
+    with pytest.raises(TemplateError, match="not found"):
+        Responder("no-such-scontrol-xyz update NodeName={host_name}")
+    Responder("no-such-scontrol-xyz update NodeName={host_name}", dry_run=True).close()
+
+
 def test_template_keeps_quoted_reason_as_one_argument() -> None:
     """The Slurm template's quoted reason is one argument with every placeholder replaced."""
     argv = parse_template('scontrol update NodeName={host_name} State=DRAIN Reason="SDC {alertname} rank {rank} '
