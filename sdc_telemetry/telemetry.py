@@ -116,8 +116,7 @@ class Telemetry(Observer):
             otel_registry = prometheus_client.CollectorRegistry()  # read only through the endpoint below
             prom = PrometheusMetricReader(registry=otel_registry, scope_info_enabled=False,
                                           resource_attribute_filter=_RESOURCE_LABELS.__contains__)
-            self._endpoint = _Endpoint(otel_registry, self._note_scrape)
-            self.registry.register(self._endpoint)
+            endpoint: _Endpoint | None = _Endpoint(otel_registry, self._note_scrape)
             all_readers = [prom, *readers]
             if config.otlp_endpoint:
                 all_readers.append(_otlp_reader(config.otlp_endpoint, otlp_interval_s, otlp_timeout_s,
@@ -126,6 +125,8 @@ class Telemetry(Observer):
                 resource=Resource.create(resource_attributes(config, identity)), metric_readers=all_readers,
                 views=[View(instrument_name=family("sdc_check_duration_seconds").otel_name,
                             aggregation=ExplicitBucketHistogramAggregation(boundaries=CHECK_DURATION_BUCKETS))])
+        else:
+            endpoint = None
         self._provider = meter_provider
         self._attrs: dict[str, str] = {} if self._owns_provider else {
             _RESOURCE_LABELS[k]: str(v) for k, v in resource_attributes(config, identity).items()}
@@ -134,7 +135,9 @@ class Telemetry(Observer):
             self._i = {f.name: _instrument(meter, f) for f in SDC}
             self._zero(config)
             self._open_gpu(meter, nvml)
-            if self._owns_provider:
+            if endpoint is not None:
+                self.registry.register(endpoint)
+                self._endpoint = endpoint  # close() unregisters it
                 self._serve()
         except BaseException:
             self.close()
