@@ -78,7 +78,7 @@ def test_page_posts_one_alert_per_suspect_with_the_rules_labels(recorder: _Recor
     assert len(recorder.posts) == 1
     path, body = recorder.posts[0]
     assert path == "/api/v2/alerts" and len(body) == 2
-    for alert, who in zip(body, (SUSPECT, other)):
+    for alert, who in zip(body, (SUSPECT, other), strict=True):
         expected = alerts.suspect_alert("replay", {"host_name": who.host_name, "rank": who.rank,
                                                    "local_rank": who.local_rank, "hw_id": who.hw_id}, "llm")
         assert alert["labels"] == expected["labels"] and alert["annotations"] == expected["annotations"]
