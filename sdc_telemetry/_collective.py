@@ -1,11 +1,18 @@
-"""The few collectives the checks use, on the device the process group's backend needs."""
+"""The few collectives the monitor uses, on the device the process group's backend needs.
+
+The healthy path uses ``agree`` only: one all-reduce of a fixed-size int64 vector that gives every rank the MAX and
+the MIN of each field over the group (flags OR/AND, digests equal or not). Per-rank rows (``gather_rows``,
+``gather_objects``) are gathered only when a field disagrees, on a replay audit, or at set-up.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["collective_device", "gather_rows", "gather_objects", "group_ranks"]
+__all__ = ["collective_device", "agree", "sum_counts", "gather_rows", "gather_objects", "group_ranks", "Agreement"]
 
 
 def collective_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -14,6 +21,58 @@ def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     if "nccl" in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+class Agreement:
+    """MAX and MIN over the group of one int64 vector, from one all-reduce of ``[v, ~v]`` with MAX
+    (``max(~v) == ~min(v)``, and ``~`` never overflows, unlike negation).
+
+    On CUDA the result is copied to pinned host memory behind an event and read by ``result()`` later (at the next
+    step boundary), so the training thread never waits for the GPU on the healthy path. ``group=None`` with no
+    process group (one process): the vector is its own MAX and MIN.
+    """
+
+    def __init__(self, vec: torch.Tensor, group: dist.ProcessGroup | None, distributed: bool = True) -> None:
+        self.size = vec.numel()
+        vec = vec.to(torch.int64)
+        both = torch.cat([vec, torch.bitwise_not(vec)])
+        if distributed:
+            both = both.to(collective_device(group))
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        self._event: torch.cuda.Event | None = None
+        if both.is_cuda:
+            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            host.copy_(both, non_blocking=True)
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._event.record()
+            both = host
+        self._both = both
+        self._result: tuple[list[int], list[int]] | None = None
+
+    def ready(self) -> bool:
+        return self._event is None or bool(self._event.query())  # type: ignore[no-untyped-call]
+
+    def result(self) -> tuple[list[int], list[int]]:
+        """(MAX, MIN) per field as Python ints."""
+        if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()
+            values: list[int] = self._both.tolist()
+            self._result = values[:self.size], [~x for x in values[self.size:]]
+        return self._result
+
+
+def agree(vec: torch.Tensor, group: dist.ProcessGroup | None, distributed: bool = True
+          ) -> tuple[list[int], list[int]]:
+    """(MAX, MIN) of ``vec`` over the group, read now."""
+    return Agreement(vec, group, distributed).result()
+
+
+def sum_counts(counts: Sequence[int], group: dist.ProcessGroup | None) -> list[int]:
+    """Element-wise SUM of a fixed-size count vector over the group (a histogram, a tally)."""
+    t = torch.tensor(list(counts), dtype=torch.int64, device=collective_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t.tolist()  # type: ignore[no-any-return]
 
 
 def gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None) -> list[list[int]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from dataclasses import asdict, dataclass
@@ -10,9 +11,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankIdentity"]
+__all__ = ["RankIdentity", "numerics_signature", "NUMERICS_SIGNATURE_ENV"]
 
 HOST_NAME_ENV = "SDC_HOST_NAME"
+NUMERICS_SIGNATURE_ENV = "SDC_NUMERICS_SIGNATURE"
 
 
 @dataclass(frozen=True)
@@ -74,3 +76,39 @@ def _gpu_uuid(device: torch.device) -> str | None:
         return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
     except Exception:  # noqa: BLE001 - identity must never fail; the caller falls back to a CPU-style id
         return None
+
+
+def numerics_signature(device: torch.device) -> int:
+    """A 64-bit id of everything that decides the bits a rank computes: device model and compute capability, torch,
+    CUDA, cuDNN and driver versions, the CPU's vector ISA. Ranks with equal signatures can be compared exactly;
+    others only within a calibrated tolerance. ``SDC_NUMERICS_SIGNATURE`` overrides it (fire drills of a mixed
+    cluster on identical machines)."""
+    override = os.environ.get(NUMERICS_SIGNATURE_ENV)
+    parts = [override] if override else [f"torch={torch.__version__}", f"cpu={_cpu_capability()}"]
+    if not override and device.type == "cuda":
+        props: Any = torch.cuda.get_device_properties(device)
+        parts += [f"gpu={props.name}", f"cc={props.major}.{props.minor}", f"cuda={torch.version.cuda}",
+                  f"cudnn={_cudnn_version()}", f"driver={_driver_version()}"]
+    digest = hashlib.blake2b("|".join(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def _cudnn_version() -> str:
+    return str(torch.backends.cudnn.version())  # type: ignore[no-untyped-call]
+
+
+def _cpu_capability() -> str:
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        return "unknown"
+
+
+def _driver_version() -> str:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return str(pynvml.nvmlSystemGetDriverVersion())
+    except Exception:  # noqa: BLE001 - the signature then leans on the other parts
+        return "unknown"

@@ -1,8 +1,19 @@
-"""SDCMonitor: drives the checks from the training loop's own hooks and hands verdicts to response and telemetry."""
+"""SDCMonitor: runs the checks at the end of each training step and hands one result to response and telemetry.
+
+The per-step path reads straight::
+
+    measure (comm hook + one pass after backward)  ->  one all-reduce of a fixed status vector (MAX/MIN)
+      ->  decide (pure; per-rank detail gathered only when a field disagrees)  ->  replay on audit steps
+      ->  episodes (incidents)  ->  one StepReport to telemetry  ->  raise on every rank, if configured
+
+Every collective runs at the end of ``with monitor.step()`` (or ``StepContext.end()``), a point every rank reaches
+before ``optimizer.step()``: a GradScaler that skips the update on one rank, or a loop that skips a step on a bad
+loss, cannot make the ranks' collectives diverge.
+"""
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import logging
 import math
 import time
@@ -13,14 +24,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ._collective import gather_objects, gather_rows, group_ranks
+from ._collective import Agreement, agree, gather_objects, gather_rows, group_ranks
 from .checks import Finding
 from .checks import grad as grad_check
-from .checks import weights as weights_check
+from .checks.evidence import bits, unbits
 from .checks.replay import ReplayCheck
+from .checks.weights import WeightsCheck
 from .config import SDCConfig
-from .identity import RankIdentity
-from .observer import Observer
+from .episodes import Episodes
+from .identity import RankIdentity, numerics_signature
+from .observer import Observer, ReplayDeltas, StepReport
 from .response import Incident, IncidentLog, SDCDetected
 from .step import NO_BATCH, StepContext
 
@@ -30,9 +43,14 @@ log = logging.getLogger("sdc_telemetry")
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
+# The step's status vector: one int64 per field, agreed by MAX and MIN over the group in one all-reduce.
+(STEP, LOCAL_MEASURED, LOCAL_NONFINITE, REDUCED_MEASURED, REDUCED_NONFINITE, ERROR, REPEATED, REPLAYABLE, SCALER,
+ WEIGHTS_ERROR, DIGEST) = range(11)
+FIELDS = 11
+
 
 class SDCMonitor:
-    """Silent-data-corruption checks for a DistributedDataParallel training loop.
+    """Silent-data-corruption checks for a training loop: DDP across ranks, or a plain module in one process.
 
     >>> monitor = SDCMonitor(ddp_model, optimizer, loss_fn=compute_loss,            # doctest: +SKIP
     ...                      config=SDCConfig(weights_every=1, replay_every=50, on_suspect="raise"))
@@ -43,116 +61,152 @@ class SDCMonitor:
     ...     optimizer.zero_grad()
     >>> monitor.close()                                                             # doctest: +SKIP
 
-    Construction is collective (every rank of the replica group must construct it) and so are ``verify_weights()``
-    and every optimizer step. ``replica_group`` defaults to the DDP model's process group. If the model already needs
-    a comm hook, pass it as ``comm_hook=`` (with ``comm_state=``) instead of registering it: the monitor wraps it.
-    ``observer`` replaces the telemetry built from the config (tests, custom sinks).
+    Construction, the end of every step, ``verify_weights()`` and ``certificate()`` are collective: every rank of
+    the replica group calls them in the same order. ``start_step`` is the index of the first step (resume).
+    ``replica_group`` defaults to the DDP model's process group. If the model already needs a comm hook, pass it as
+    ``comm_hook=`` (with ``comm_state=``) instead of registering it: the monitor wraps it. ``observer`` replaces the
+    telemetry built from the config; ``registry``, ``meter_provider`` and ``nvml`` are handed to that telemetry.
     """
 
-    def __init__(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
-                 loss_fn: LossFn | None = None, config: SDCConfig | None = None, *,
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 loss_fn: LossFn | None = None, config: SDCConfig | None = None, *, start_step: int = 0,
                  replica_group: dist.ProcessGroup | None = None,
                  comm_hook: grad_check.CommHook | None = None, comm_state: Any = None,
-                 observer: Observer | None = None, **telemetry_deps: Any) -> None:
-        if not isinstance(model, DistributedDataParallel):
-            raise TypeError(f"SDCMonitor needs a torch.nn.parallel.DistributedDataParallel model, got "
-                            f"{type(model).__name__}; wrap it first: DistributedDataParallel(model)")
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("SDCMonitor needs an initialised process group: call "
-                               "torch.distributed.init_process_group() first (torchrun sets up the environment)")
+                 observer: Observer | None = None, registry: Any = None, meter_provider: Any = None,
+                 nvml: Any = None) -> None:
+        self._closed = True  # until construction succeeds: close() then does nothing
+        initialised = dist.is_available() and dist.is_initialized()
+        if _is_fully_sharded(model):
+            raise TypeError("SDCMonitor does not support modules sharded with fully_shard (FSDP2/HSDP) yet: it "
+                            "supports DistributedDataParallel models, and plain modules in a single process")
+        if isinstance(model, DistributedDataParallel):
+            if not initialised:
+                raise RuntimeError("SDCMonitor needs an initialised process group for a DDP model: call "
+                                   "torch.distributed.init_process_group() first (torchrun sets up the environment)")
+            self._distributed = True
+        elif isinstance(model, torch.nn.Module):
+            if initialised and dist.get_world_size() > 1:
+                raise TypeError(f"SDCMonitor needs a torch.nn.parallel.DistributedDataParallel model when "
+                                f"torch.distributed runs {dist.get_world_size()} ranks, got {type(model).__name__}; "
+                                "wrap it first: DistributedDataParallel(model)")
+            self._distributed = False
+        else:
+            raise TypeError(f"model must be a torch.nn.Module (DistributedDataParallel-wrapped across ranks), got "
+                            f"{type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"start_step must be an int >= 0 (the index of the first step), got {start_step!r}")
         self.config = config if config is not None else SDCConfig.from_env()
         if not isinstance(self.config, SDCConfig):
             raise TypeError(f"config must be an SDCConfig, got {type(self.config).__name__}")
-        if self.config.replay_every and any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()):
-            raise ValueError("SyncBatchNorm computes its statistics across ranks, so a replay of one rank's "
-                             "micro-batch cannot reproduce it; set SDCConfig(replay_every=0) for this model")
-        if self.config.replay_every and loss_fn is None:
-            raise ValueError(f"SDCConfig.replay_every={self.config.replay_every} needs loss_fn= (called as "
-                             "loss_fn(module, batch) -> scalar loss to recompute a step); pass it, or set "
-                             "replay_every=0")
+        module = model.module if isinstance(model, DistributedDataParallel) else model
+        if not self._distributed and comm_hook is not None:
+            raise ValueError("comm_hook= wraps a DDP all-reduce; a plain module has none")
         self.model = model
+        self.module: torch.nn.Module = module
         self.optimizer = optimizer
-        self._group = replica_group if replica_group is not None else model.process_group
-        self._ranks = group_ranks(self._group)
-        self._world = len(self._ranks)
-        self.rank = dist.get_rank()
-        named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no parameters that require gradients: nothing to check")
         self._params = [p for _, p in named]
         self._names = [n for n, _ in named]
         self.device = self._params[0].device
-        self.mode = self._resolve_mode()
+        if self._distributed:
+            assert isinstance(model, DistributedDataParallel)
+            self._group: dist.ProcessGroup | None = replica_group if replica_group is not None \
+                else model.process_group
+            self._ranks = group_ranks(self._group)
+            self.rank = dist.get_rank()
+        else:
+            self._group, self._ranks, self.rank = None, [0], 0
+        self._world = len(self._ranks)
+        self._pos = self._ranks.index(self.rank)
+        self._writer = self._pos == 0
+        replicas = self._world > 1
+        if replicas and self.config.replay_every and any(isinstance(m, torch.nn.SyncBatchNorm)
+                                                         for m in module.modules()):
+            raise ValueError("SyncBatchNorm computes its statistics across ranks, so a replay of one rank's "
+                             "micro-batch cannot reproduce it; set SDCConfig(replay_every=0) for this model")
+        if replicas and self.config.replay_every and loss_fn is None:
+            raise ValueError(f"SDCConfig.replay_every={self.config.replay_every} needs loss_fn= (called as "
+                             "loss_fn(module, batch) -> scalar loss to recompute a step); pass it, or set "
+                             "replay_every=0")
 
         self.identity = RankIdentity.local(self.device if self.device.type == "cuda" else None)
-        gathered = gather_objects(self.identity, self._group)
-        self.identities: dict[int, RankIdentity] = {i.rank: i for i in gathered if isinstance(i, RankIdentity)}
-        self._writer = self.rank == self._ranks[0]
+        self._incident_log, log_error = self._open_incident_log()
+        signature = numerics_signature(self.device)
+        classes = self._setup(start_step, signature, log_error)
+        self.identities: dict[int, RankIdentity] = {self.rank: self.identity}
+        if self._distributed:
+            gathered = gather_objects(self.identity, self._group)
+            self.identities = {i.rank: i for i in gathered if isinstance(i, RankIdentity)}
+        self.mode = self._resolve_mode(classes)
         self.incidents: list[Incident] = []
-        self._incident_log = IncidentLog(self.config.incident_dir) if self._writer and self.config.incident_dir \
-            else None
-        self._observer = observer if observer is not None else self._build_telemetry(telemetry_deps)
+        self._episodes = Episodes(self.incidents)
+        self._observer = observer if observer is not None else self._build_telemetry(registry, meter_provider, nvml)
+        self._pager = self._build_pager()
 
-        self._step = -1
-        self._next_step = 0
-        self._opened = False
-        self._implicit_warned = False
-        self._skip_warned: set[str] = set()
-        self._closed = False
-
-        checked = self._world > 1
-        if not checked and (self.config.weights_every or self.config.replay_every):
-            log.warning("sdc_telemetry: the replica group has one rank: weight and replay checks are disabled "
-                        "(nothing to compare against); gradient checks stay on")
         # Every parameter, frozen ones included (LoRA-style fine-tuning freezes most weights; they must still agree).
-        every = list(model.module.named_parameters())
-        self._weights = weights_check.WeightsCheck(every, self._group, self._ranks) \
-            if checked and self.config.weights_every else None
-        self._replay = ReplayCheck(model.module, loss_fn, named, self._group, self._ranks, self.identities,
+        self._weights = WeightsCheck(list(module.named_parameters()), self._group, self._ranks, classes) \
+            if replicas else None
+        self._replay = ReplayCheck(module, loss_fn, named, self._group, self._ranks, self.identities,
                                    self.device, self.mode, self.config.tolerance, self.config.replay_every) \
-            if checked and self.config.replay_every and loss_fn is not None else None
-
-        self._record = grad_check.GradRecord(self._params, self.device) \
-            if self.config.grad_checks or self._replay is not None else None
+            if replicas and self.config.replay_every and loss_fn is not None else None
+        self._record = grad_check.GradRecord(self._params, self.device)
         self._hook_state: grad_check.CommHookState | None = None
-        if self._record is not None:
+        if self._distributed:
             self._install_comm_hook(comm_hook, comm_state)
-        self._handles = [optimizer.register_step_pre_hook(self._before_update),
-                         optimizer.register_step_post_hook(self._after_update)]
-        if self.rank == self._ranks[0]:
-            log.info("sdc_telemetry: monitoring %d ranks (%d hosts), mode=%s, weights_every=%d, replay_every=%d, "
-                     "grad_checks=%s, on_suspect=%s", self._world, len({i.host_name for i in gathered
-                                                                     if isinstance(i, RankIdentity)}),
-                     self.mode, self.config.weights_every if self._weights else 0,
-                     self.config.replay_every if self._replay else 0, self.config.grad_checks,
-                     self.config.on_suspect)
+        self._handles = [optimizer.register_step_post_hook(self._after_update)]
+
+        self._next_step = start_step
+        self._step = start_step - 1
+        self._mine = [0] * FIELDS
+        self._reduced_norm = torch.tensor(math.nan)
+        self._open = False
+        self._scaler_used = False
+        self._ended_since_update = True
+        self._warned: set[str] = set()
+        self._closed = False
+        if self._writer:
+            self._announce(replicas)
 
     # -- public --------------------------------------------------------------------------------------------------
 
     def step(self, batch: Any = NO_BATCH) -> StepContext:
-        """Context for one optimizer step; ``batch`` is its (only) micro-batch, kept for replay on audit steps."""
+        """Context for one optimizer step; ``batch`` is its (only) micro-batch, kept for replay on audit steps.
+
+        The checks run when the block ends (every rank must reach it); ``SDCDetected`` is raised there."""
         if self._closed:
             raise RuntimeError("SDCMonitor is closed")
         return StepContext(self, batch)
 
     @property
     def current_step(self) -> int:
-        """Index of the step in progress (or last finished); -1 before the first step."""
+        """Index of the step in progress (or last finished); ``start_step - 1`` before the first step."""
         return self._step
 
     def verify_weights(self) -> Incident | None:
-        """Run the weight check now, on every rank (call it before saving a checkpoint). Collective."""
+        """Run the weight check now on every rank, whatever ``weights_every`` is (call it before saving a
+        checkpoint). Collective. Returns the weights incident (new, or the open episode it repeats) or None."""
+        self._require_open_monitor("verify_weights")
         if self._weights is None:
             return None
-        found = self._run_weights(max(self._step, 0))
-        incidents = self._respond(found, max(self._step, 0))
-        return incidents[0] if incidents else None
+        step = max(self._step, 0)
+        start = time.perf_counter()
+        vec = self._vector(step, weights=True)
+        high, low = agree(vec, self._group, self._distributed)
+        finding, result = self._weights_verdict(high, low)
+        self._conclude(step, [finding] if finding else [], {"weights": result},
+                       {"weights": time.perf_counter() - start}, counts_step=False,
+                       weights_agree=None if result in ("error", "skipped")
+                       else not (finding and self.rank in finding.suspect_ranks))
+        return self._episodes.current("weights") if finding else None
 
     def close(self) -> None:
-        """Remove the hooks, flush and stop telemetry. The comm hook stays registered (DDP cannot remove it) but
-        only forwards to the wrapped all-reduce. A second call does nothing."""
+        """Remove the hooks, flush a pending page (bounded), mark telemetry closed. A second call does nothing.
+
+        The comm hook stays registered (DDP cannot remove it) but only forwards to the wrapped all-reduce."""
         if self._closed:
             return
         self._closed = True
@@ -162,6 +216,8 @@ class SDCMonitor:
             self._replay.close()
         if self._hook_state is not None:
             self._hook_state.enabled = False
+        if self._pager is not None:
+            self._guard("alertmanager", self._pager.close)
         if self._incident_log is not None:
             self._incident_log.close()
         self._guard("telemetry", self._observer.close)
@@ -172,13 +228,17 @@ class SDCMonitor:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- step bookkeeping ----------------------------------------------------------------------------------------
+    # -- the step (called by StepContext) ------------------------------------------------------------------------
 
     def _open_step(self) -> int:
+        self._require_open_monitor("step")
+        if self._open:
+            raise RuntimeError(f"monitor.step() opened while step {self._step} is still open: end each step's "
+                               "`with monitor.step(...)` block before opening the next (steps do not nest)")
         self._step = self._next_step
-        self._opened = True
-        if self._record is not None:
-            self._record.reset(detail=self._replay is not None and self._replay.due(self._step))
+        self._open = True
+        self._scaler_used = False
+        self._record.reset(detail=self._replay is not None and self._replay.due(self._step))
         if self._replay is not None:
             self._replay.begin_step(self._step)
         return self._step
@@ -187,188 +247,310 @@ class SDCMonitor:
         if self._replay is not None:
             self._replay.capture(batch)
 
-    def _record_loss(self, loss: torch.Tensor, scale: float) -> None:
+    def _record_loss(self, loss: torch.Tensor, scale: float, grad_scale: torch.Tensor | None) -> None:
+        if grad_scale is not None:
+            self._scaler_used = True
         if self._replay is not None:
-            self._replay.record_loss(loss, scale)
+            self._replay.record_loss(loss, scale, grad_scale)
 
-    def _current(self) -> int:
-        if not self._opened:
-            self._step = self._next_step
-            self._opened = True
-            if self._replay is not None:
-                self._replay.drop()
-            if not self._implicit_warned:
-                self._implicit_warned = True
-                log.warning("sdc_telemetry: optimizer.step() ran without `with monitor.step(batch)`; counting it as "
-                            "step %d (replay cannot audit such steps)", self._step)
-        return self._step
-
-    # -- hooks ---------------------------------------------------------------------------------------------------
-
-    def _before_update(self, *_: Any) -> None:
-        step = self._current()
-        findings: list[Finding] = []
-        rows = self._run_grads(step, findings) if self._record is not None else None
-        if self._replay is not None and rows is not None and not findings and self._replay.due(step) \
-                and self._replayable(step, rows):
-            findings += self._run_replay(step, rows)
-        elif self._replay is not None:
+    def _abandon_step(self) -> None:
+        """The step's block raised on this rank: no checks (the other ranks' collectives cannot be matched)."""
+        self._open = False
+        self._next_step = self._step + 1
+        if self._replay is not None:
             self._replay.drop()
-        if self._record is not None:
-            self._record.reset()
-        self._respond(findings, step)
 
-    def _replayable(self, step: int, rows: list[grad_check.StatusRow]) -> bool:
-        """Same answer on every rank (from the gathered rows): can this audit step be replayed at all?"""
-        if all(r.comparable and r.replayable for r in rows):
-            return True
-        if any(r.repeated for r in rows):
-            reason = ("a gradient bucket was all-reduced more than once in the step: with gradient accumulation, "
-                      "run all but the last micro-batch under ddp_model.no_sync()")
-        elif not all(r.replayable for r in rows):
-            reason = "not every rank captured the step (use `with monitor.step(batch)` or step.micro_batch())"
-        else:
-            reason = "local gradients were not measured on every rank"
-        if reason not in self._skip_warned and self._writer:
-            log.warning("sdc_telemetry: step %d: replay skipped: %s", step, reason)
-        self._skip_warned.add(reason)
-        return False
-
-    def _after_update(self, *_: Any) -> None:
-        step = self._current()
-        self._opened = False
+    def _end_step(self) -> None:
+        """The end of the step on every rank: measure, agree, decide, respond."""
+        step = self._step
+        self._open = False
         self._next_step = step + 1
-        findings: list[Finding] = []
-        if self._weights is not None and step % self.config.weights_every == 0:
-            findings = self._run_weights(step)
-        self._guard("telemetry", self._observer.step_done, step)
-        self._respond(findings, step)
-
-    # -- checks --------------------------------------------------------------------------------------------------
-
-    def _run_grads(self, step: int, findings: list[Finding]) -> list[grad_check.StatusRow] | None:
-        """Gather every rank's gradient status (always: the replay uses the local fingerprints too)."""
+        self._ended_since_update = True
         start = time.perf_counter()
-        reduced, error = None, False
+        weights_due = self._weights is not None and self.config.weights_every > 0 \
+            and step % self.config.weights_every == 0
+        audit = self._replay is not None and self._replay.due(step)
+        vec = self._vector(step, weights=weights_due, audit=audit)
+        high, low = Agreement(vec, self._group, self._distributed).result()
+        durations = {"grad": time.perf_counter() - start}
+        results: dict[str, str] = {}
+        findings: list[Finding] = []
+        if high[STEP] != low[STEP]:
+            self._warn_once("out-of-step", "sdc_telemetry: ranks disagree on the step index (%d..%d): the training "
+                            "loops are out of step; checks of this step are counted as errors", low[STEP], high[STEP])
+            due = [*(("grad_local", "grad_reduced") if self.config.grad_checks else ()),
+                   *(("weights",) if weights_due else ()), *(("replay",) if audit else ())]
+            self._conclude(step, [], dict.fromkeys(due, "error"), {}, errors=("monitor",))
+            return
+        if self.config.grad_checks:
+            finding = self._grad_verdict(high, low)
+            results.update(self._grad_results(finding, high))
+            if finding is not None:
+                findings.append(finding)
+        weights_agree: bool | None = None
+        if weights_due:
+            t = time.perf_counter()
+            finding, results["weights"] = self._weights_verdict(high, low)
+            durations["weights"] = time.perf_counter() - t
+            if results["weights"] in ("pass", "fail"):
+                weights_agree = not (finding and self.rank in finding.suspect_ranks)
+            if finding is not None:
+                findings.append(finding)
+        replay: ReplayDeltas | None = None
+        if audit:
+            t = time.perf_counter()
+            finding, results["replay"], replay = self._replay_verdict(step, high, low, findings)
+            durations["replay"] = time.perf_counter() - t
+            if finding is not None:
+                findings.append(finding)
+        durations = {c: durations["grad"] if c.startswith("grad") else durations[c] for c in results}
+        self._conclude(step, findings, results, durations, replay=replay, weights_agree=weights_agree)
+
+    # -- measuring -----------------------------------------------------------------------------------------------
+
+    def _vector(self, step: int, *, weights: bool, audit: bool = False) -> torch.Tensor:
+        """This rank's status vector (on the measuring device, no host synchronisation)."""
+        host = [0] * FIELDS
+        host[STEP] = step
+        host[SCALER] = int(self._scaler_used)
+        nonfinite = torch.zeros(2, dtype=torch.int64, device=self.device)
+        digest = torch.zeros(1, dtype=torch.int64, device=self.device)
         try:
-            if self.config.grad_checks:
-                reduced = grad_check.reduced_norms(self._params, self.device)
-            replayable = self._replay is not None and self._replay.due(step) and self._replay.ready()
-            row = grad_check.StatusRow.build(step, self._record, reduced, error, replayable)
-        except Exception:  # noqa: BLE001 - contained; the collective below must still run on this rank
+            record = self._record
+            if not self._distributed and self.config.grad_checks:
+                record.measure_local()
+            if self.config.grad_checks or audit:
+                host[LOCAL_MEASURED] = int(record.measured)
+                host[REPEATED] = int(record.repeated)
+                if record.measured:
+                    nonfinite[0] = ~torch.isfinite(record.total_norm())
+                if self.config.grad_checks and self._distributed:
+                    reduced = grad_check.reduced_norms(self._params, self.device)
+                    self._reduced_norm = torch.linalg.vector_norm(reduced)
+                    host[REDUCED_MEASURED] = int(any(p.grad is not None for p in self._params))
+                    nonfinite[1] = ~torch.isfinite(self._reduced_norm)
+            host[REPLAYABLE] = int(audit and self._replay is not None and self._replay.ready())
+        except Exception:  # noqa: BLE001 - contained; the agreement below must still run on this rank
             self._internal_error("grad", "measuring gradients failed")
-            row = grad_check.StatusRow.build(step, None, None, True)
-        rows = [grad_check.StatusRow.parse(r) for r in gather_rows(row, self._group)]
-        mine = rows[self._ranks.index(self.rank)]
-        if len({r.step for r in rows}) != 1 and self._writer:
-            log.error("sdc_telemetry: ranks disagree on the step index %s: the training loops are out of step",
-                      {self._ranks[i]: r.step for i, r in enumerate(rows)})
-        failed = [self._ranks[i] for i, r in enumerate(rows) if r.error or (self.config.grad_checks
-                                                                             and not r.local_measured)]
-        if failed and self._writer:
-            log.warning("sdc_telemetry: step %d: gradient checks could not measure ranks %s (no DDP all-reduce "
-                        "this step, or a measurement error)", step, failed)
-        if not self.config.grad_checks:
-            return rows
-        finding = self._guard("grad", grad_check.decide, rows, self._ranks, True)
-        elapsed = time.perf_counter() - start
-        if mine.local_measured:  # an unmeasured rank reports nothing rather than a NaN norm
-            self._guard("telemetry", self._observer.grad_measured, "local", mine.local_norm,
-                        not math.isfinite(mine.local_norm))
-        self._guard("telemetry", self._observer.grad_measured, "reduced", mine.reduced_norm,
-                    not math.isfinite(mine.reduced_norm))
-        self._guard("telemetry", self._observer.check_done, "grad_local",
-                    finding is None or finding.check != "grad_local", elapsed)
-        self._guard("telemetry", self._observer.check_done, "grad_reduced",
-                    finding is None or finding.check != "grad_reduced", elapsed)
-        if finding is not None:
-            findings.append(self._with_nonfinite_names(finding))
-        return rows
+            host[ERROR] = 1
+        if weights:
+            try:
+                if self._weights is None:
+                    raise RuntimeError("no replicas to compare")
+                digest = self._weights.measure().reshape(1)
+            except Exception:  # noqa: BLE001
+                self._internal_error("weights", "fingerprinting the parameters failed")
+                host[WEIGHTS_ERROR] = 1
+        self._mine = host
+        fixed = torch.tensor(host, dtype=torch.int64)
+        # Pinned and non-blocking on CUDA: building the vector never waits for the GPU.
+        out = fixed.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else fixed
+        out[LOCAL_NONFINITE] = nonfinite[0]
+        out[REDUCED_NONFINITE] = nonfinite[1]
+        out[DIGEST] = digest[0]
+        return out
+
+    # -- deciding ------------------------------------------------------------------------------------------------
+
+    def _grad_verdict(self, high: list[int], low: list[int]) -> Finding | None:
+        if not (high[LOCAL_NONFINITE] or high[REDUCED_NONFINITE]):
+            return None
+        fields = (LOCAL_MEASURED, LOCAL_NONFINITE, REDUCED_MEASURED, REDUCED_NONFINITE)
+        if all(high[f] == low[f] for f in fields):  # every rank alike: no per-rank detail needed
+            rows = [grad_check.GradStatus(r, *(bool(high[f]) for f in fields)) for r in self._ranks]
+        else:  # rare path: who?
+            mine = torch.tensor([int(self._record.measured), bits(float(self._record.total_norm())),
+                                 bits(float(self._reduced_norm))], dtype=torch.int64)
+            gathered = gather_rows(mine, self._group) if self._distributed else [mine.tolist()]
+            rows = []
+            for r, g in zip(self._ranks, gathered, strict=True):
+                local, reduced = unbits(g[1]), unbits(g[2])
+                rows.append(grad_check.GradStatus(r, bool(g[0]), bool(g[0]) and not math.isfinite(local),
+                                                  self._distributed, self._distributed and not math.isfinite(reduced),
+                                                  local, reduced))
+        finding = self._guard("grad", grad_check.decide, rows, overflow_expected=bool(high[SCALER]))
+        if finding is not None and finding.suspect_ranks and finding.check == "grad_local":
+            finding = self._with_nonfinite_names(finding)
+        return finding  # type: ignore[no-any-return]
+
+    def _grad_results(self, finding: Finding | None, high: list[int]) -> dict[str, str]:
+        """This rank's results: a rank that measured nothing (or failed to) never counts a pass."""
+        if self._mine[ERROR]:
+            return {"grad_local": "error", **({"grad_reduced": "error"} if self._distributed else {})}
+        out = {"grad_local": "skipped" if not self._mine[LOCAL_MEASURED] else
+               "fail" if finding is not None and finding.check == "grad_local" else "pass"}
+        if self._distributed:
+            out["grad_reduced"] = "skipped" if not self._mine[REDUCED_MEASURED] else \
+                "fail" if finding is not None else "pass"
+        return out
 
     def _with_nonfinite_names(self, finding: Finding) -> Finding:
-        """Rare path, after a non-finite verdict that every rank shares: gather which parameters were affected."""
+        """Rare path: which parameters the suspects' local gradients (before any clipping) were non-finite in."""
         mine: list[str] = []
-        try:
-            # A non-finite local gradient spreads through the all-reduce element by element, so the reduced
-            # gradients name the same parameters (the local bucket was overwritten by the all-reduce).
-            norms = grad_check.reduced_norms(self._params, self.device).tolist()
-            mine = [self._names[i] for i, n in enumerate(norms) if not math.isfinite(n)][:32]
-        except Exception:  # noqa: BLE001
-            self._internal_error("grad", "listing non-finite parameters failed")
-        names = gather_objects(mine, self._group)
+        if self.rank in finding.suspect_ranks:
+            norms = self._record.norms.tolist()
+            mine = [self._names[i] for i, n in enumerate(norms) if not math.isfinite(n)][:16]
+        names = gather_objects(mine, self._group) if self._distributed else [mine]
         evidence = dict(finding.evidence)
         evidence["nonfinite_parameters"] = {str(self._ranks[i]): n for i, n in enumerate(names)
                                             if self._ranks[i] in finding.suspect_ranks}
         return Finding(finding.check, finding.suspect_ranks, evidence)
 
-    def _run_replay(self, step: int, rows: list[grad_check.StatusRow]) -> list[Finding]:
-        assert self._replay is not None and self._record is not None
-        start = time.perf_counter()
-        finding, measured = self._replay.run(step, [r.local_fp for r in rows], self._record.norms)
-        for m in measured:
-            self._guard("telemetry", self._observer.replay_measured, m.origin_rank, m.loss_delta, m.grad_delta,
-                        m.mismatch)
-        if self._replay.errors and self._writer:
-            log.warning("sdc_telemetry: step %d: replay failed on ranks %s: %s", step, self._replay.errors,
-                        self._replay.error_text)
-        if self._replay.errors:
-            self._guard("telemetry", self._observer.internal_error, "replay")
-        self._guard("telemetry", self._observer.check_done, "replay", finding is None, time.perf_counter() - start)
-        return [finding] if finding is not None else []
-
-    def _run_weights(self, step: int) -> list[Finding]:
+    def _weights_verdict(self, high: list[int], low: list[int]) -> tuple[Finding | None, str]:
         assert self._weights is not None
-        start = time.perf_counter()
-        finding, failed = self._weights.run()
-        if failed:
-            if self.rank in failed:
-                self._guard("telemetry", self._observer.internal_error, "weights")
+        if high[WEIGHTS_ERROR]:
             if self._writer:
-                log.warning("sdc_telemetry: step %d: weight check skipped: ranks %s could not fingerprint their "
-                            "parameters", step, failed)
-            return []
-        agrees = finding is None or self.rank not in finding.suspect_ranks
-        self._guard("telemetry", self._observer.weights_measured, agrees)
-        self._guard("telemetry", self._observer.check_done, "weights", finding is None,
-                    time.perf_counter() - start)
-        return [finding] if finding is not None else []
+                log.warning("sdc_telemetry: step %d: weight check could not run: a rank failed to fingerprint its "
+                            "parameters", self._step)
+            return None, "error" if self._mine[WEIGHTS_ERROR] else "skipped"
+        if high[DIGEST] == low[DIGEST]:
+            return None, "pass"
+        finding = self._weights.gather()
+        return finding, "fail" if finding is not None else "pass"
 
-    # -- response ------------------------------------------------------------------------------------------------
+    def _replay_verdict(self, step: int, high: list[int], low: list[int], findings: list[Finding]
+                        ) -> tuple[Finding | None, str, ReplayDeltas | None]:
+        assert self._replay is not None
+        reason = None
+        if findings:
+            reason = "another check found a fault this step (replay compares healthy replicas only)"
+        elif high[REPEATED]:
+            reason = ("a gradient bucket was all-reduced more than once in the step: with gradient accumulation, "
+                      "run all but the last micro-batch under ddp_model.no_sync()")
+        elif not low[REPLAYABLE]:
+            reason = "not every rank captured the step (use `with monitor.step(batch)` or step.micro_batch())"
+        elif not low[LOCAL_MEASURED] or high[ERROR]:
+            reason = "local gradients were not measured on every rank"
+        if reason is not None:
+            self._replay.drop()
+            self._warn_once(reason, "sdc_telemetry: step %d: replay skipped: %s", step, reason)
+            return None, "skipped", None
+        try:
+            local_fp = int(self._record.total_fp().item())
+            local_norms = self._record.norms
+        except Exception:  # noqa: BLE001 - the replay protocol below must still run on this rank
+            self._internal_error("replay", "reading the recorded gradients failed")
+            local_fp, local_norms = 0, torch.zeros(len(self._params))
+        finding, measured = self._replay.run(local_fp, local_norms)
+        deltas = ReplayDeltas(measured.loss_delta, measured.grad_delta, measured.mismatch) if measured else None
+        if self._replay.errors:
+            self._warn_once("replay-error:" + self._replay.error_text.split(":")[0],
+                            "sdc_telemetry: step %d: replay failed on ranks %s: %s (counted as errors, not passes)",
+                            step, self._replay.errors[:16], self._replay.error_text)
+            return None, "error" if self.rank in self._replay.errors or measured is None else "pass", deltas
+        return finding, "fail" if finding is not None else "pass", deltas
 
-    def _respond(self, findings: list[Finding], step: int) -> list[Incident]:
-        incidents = []
-        gpu = self._gpu_snapshots(findings) if findings else {}
-        for f in findings:
-            suspects = tuple(self.identities.get(r, RankIdentity(r, -1, "unknown", "unknown"))
-                             for r in f.suspect_ranks)
-            evidence = dict(f.evidence)
-            counters = {str(r): gpu[r] for r in f.suspect_ranks if gpu.get(r)}
-            if counters:
-                evidence["gpu_counters"] = counters
-            incident = Incident(step=step, check=f.check, suspect_ranks=f.suspect_ranks, suspects=suspects,
-                                evidence=evidence)
-            incidents.append(incident)
-            self.incidents.append(incident)
+    # -- responding ----------------------------------------------------------------------------------------------
+
+    def _conclude(self, step: int, findings: list[Finding], results: dict[str, str], durations: dict[str, float],
+                  *, counts_step: bool = True, replay: ReplayDeltas | None = None, weights_agree: bool | None = None,
+                  errors: tuple[str, ...] = ()) -> list[Incident]:
+        """Episodes, the incident log, the page, telemetry, and ``SDCDetected`` on every rank when configured."""
+        opened, touched = self._episodes.observe(step, findings, results, self._suspects)
+        if opened and any(i.suspect_ranks for i in opened):
+            self._attach_gpu_counters(opened)
+        for incident in opened:
             if self._writer:
-                log.error("%s", incident.describe())
+                (log.warning if incident.numerics else log.error)("%s", incident.describe())
             if self._incident_log is not None:
                 self._guard("incident_log", self._incident_log.append, incident)
-            self._guard("telemetry", self._observer.incident, incident, self.rank in f.suspect_ranks)
-        if incidents and self.config.on_suspect == "raise":
-            raise SDCDetected(incidents[0])
-        return incidents
+            if self._pager is not None and incident.suspect_ranks:
+                self._guard("alertmanager", self._pager.page, incident)
+        for incident in touched:
+            if self._writer:
+                log.warning("sdc_telemetry: incident of step %d (check=%s) still ongoing at step %d: %d findings",
+                            incident.step, incident.check, incident.last_step, incident.count)
+            if self._incident_log is not None:
+                self._guard("incident_log", self._incident_log.update, incident)
+            if self._pager is not None and incident.suspect_ranks:
+                self._guard("alertmanager", self._pager.page, incident)
+        report = StepReport(step=step, counts_step=counts_step, results=results, durations=durations,
+                            grad_norms=self._grad_norms(results), replay=replay, weights_agree=weights_agree,
+                            incidents=tuple(opened),
+                            suspect_checks=tuple(i.check for i in opened if self.rank in i.suspect_ranks),
+                            errors=errors)
+        self._guard("telemetry", self._observer.report, report)
+        raising = [i for i in opened if i.suspect_ranks]
+        if raising and self.config.on_suspect == "raise":
+            raise SDCDetected(raising[0])
+        return opened
 
-    def _gpu_snapshots(self, findings: list[Finding]) -> dict[int, Any]:
+    def _suspects(self, ranks: tuple[int, ...]) -> tuple[RankIdentity, ...]:
+        return tuple(self.identities.get(r, RankIdentity(r, -1, "unknown", "unknown")) for r in ranks)
+
+    def _grad_norms(self, results: dict[str, str]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        try:
+            if results.get("grad_local") in ("pass", "fail"):
+                out["local"] = float(self._record.total_norm())
+            if results.get("grad_reduced") in ("pass", "fail"):
+                out["reduced"] = float(self._reduced_norm)
+        except Exception:
+            log.debug("sdc_telemetry: reading gradient norms failed", exc_info=True)
+        return out
+
+    def _attach_gpu_counters(self, incidents: list[Incident]) -> None:
         """The suspects' GPU counters, gathered so that every rank's incident carries the same evidence.
 
-        Collective, like the findings themselves: every rank reaches here with the same findings."""
-        suspected = {r for f in findings for r in f.suspect_ranks}
+        Collective, like the findings themselves: every rank reaches here with the same new incidents."""
+        suspected = {r for i in incidents for r in i.suspect_ranks}
         mine = self._guard("telemetry", self._observer.gpu_snapshot) if self.rank in suspected else None
-        return {self._ranks[i]: s for i, s in enumerate(gather_objects(mine, self._group)) if s}
+        snaps = gather_objects(mine, self._group) if self._distributed else [mine]
+        by_rank = {self._ranks[i]: s for i, s in enumerate(snaps) if s}
+        for incident in incidents:
+            counters = {str(r): by_rank[r] for r in incident.suspect_ranks[:16] if r in by_rank}
+            if counters:
+                incident.evidence["gpu_counters"] = counters
 
-    # -- plumbing ------------------------------------------------------------------------------------------------
+    def _after_update(self, *_: Any) -> None:
+        """Optimizer post-step hook: says once if steps run outside ``monitor.step()`` (no checks ran for them)."""
+        if not self._ended_since_update:
+            self._warn_once("no-step", "sdc_telemetry: optimizer.step() ran without a `with monitor.step(...)` "
+                            "block since the last update: no check runs for such steps")
+        self._ended_since_update = False
 
-    def _resolve_mode(self) -> str:
+    # -- set-up --------------------------------------------------------------------------------------------------
+
+    def _setup(self, start_step: int, signature: int, log_error: str | None) -> list[int] | None:
+        """Collective set-up checks: configurations and start steps agree, the incident log opened, and whether
+        every rank has the same numerics signature. Returns per-position signature classes when they differ."""
+        config_hash = _hash64(repr(sorted(vars(self.config).items())) + f"|{start_step}")
+        vec = torch.tensor([config_hash, int(log_error is not None), signature], dtype=torch.int64)
+        if not self._distributed:
+            if log_error:
+                raise ValueError(log_error)
+            return None
+        high, low = agree(vec, self._group)
+        if high[1]:
+            msg = log_error or "the first rank of the group could not open SDCConfig.incident_dir"
+            raise ValueError(f"{msg} (every rank stops here)")
+        if high[0] != low[0]:
+            raise ValueError("SDCConfig or start_step differs between ranks: every rank must construct the monitor "
+                             "with the same settings (checks run on the same steps everywhere)")
+        if high[2] == low[2]:
+            return None
+        gathered = gather_rows(torch.tensor([signature], dtype=torch.int64), self._group)
+        classes = [r[0] for r in gathered]
+        if self._writer:
+            log.warning("sdc_telemetry: the ranks run on %d different hardware/software stacks: exact comparison only "
+                        "between ranks of the same stack; the replay compares with a calibrated tolerance",
+                        len(set(classes)))
+        return classes
+
+    def _open_incident_log(self) -> tuple[IncidentLog | None, str | None]:
+        if not (self._writer and self.config.incident_dir):
+            return None, None
+        try:
+            return IncidentLog(self.config.incident_dir), None
+        except OSError as e:
+            return None, f"SDCConfig.incident_dir={self.config.incident_dir!r} is not usable: {e}"
+
+    def _resolve_mode(self, classes: list[int] | None) -> str:
+        if classes is not None:
+            if self.config.mode == "exact" and self._writer:
+                log.warning("sdc_telemetry: mode='exact' with mixed hardware/software stacks: the replay uses a "
+                            "calibrated tolerance instead")
+            return "tolerance"
         if self.config.mode != "auto":
             return self.config.mode
         exact = self.device.type == "cpu" or torch.are_deterministic_algorithms_enabled()
@@ -377,10 +559,10 @@ class SDCMonitor:
     def _install_comm_hook(self, hook: grad_check.CommHook | None, state: Any) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        assert self._record is not None
         inner = hook if hook is not None else default_hooks.allreduce_hook
         inner_state = state if hook is not None else self._group
         self._hook_state = grad_check.CommHookState(self._record, inner, inner_state)
+        assert isinstance(self.model, DistributedDataParallel)
         try:
             self.model.register_comm_hook(self._hook_state, grad_check.comm_hook)
         except RuntimeError as e:
@@ -388,7 +570,7 @@ class SDCMonitor:
                              "gradients before the all-reduce. Register none, and pass yours as "
                              "SDCMonitor(..., comm_hook=your_hook, comm_state=your_state)") from e
 
-    def _build_telemetry(self, deps: dict[str, Any]) -> Observer:
+    def _build_telemetry(self, registry: Any, meter_provider: Any, nvml: Any) -> Observer:
         try:
             from .telemetry import Telemetry
         except ImportError:
@@ -396,25 +578,74 @@ class SDCMonitor:
                         exc_info=True)
             return Observer()
         try:
-            telemetry: Observer = Telemetry(self.config, self.identity, **deps)
+            telemetry: Observer = Telemetry(self.config, self.identity, registry=registry,
+                                            meter_provider=meter_provider, nvml=nvml)
             return telemetry
         except Exception:
             log.exception("sdc_telemetry: telemetry could not start; checks go on without metrics")
             return Observer()
 
+    def _build_pager(self) -> Any:
+        if not (self.config.alertmanager_url and self._writer):
+            return None
+        try:
+            from .pager import AlertmanagerPusher
+
+            return AlertmanagerPusher(self.config.alertmanager_url, self.config.job_name,
+                                      on_error=lambda: self._observer.internal_error("alertmanager"))
+        except Exception:
+            log.exception("sdc_telemetry: the Alertmanager push could not start; pages depend on Prometheus")
+            return None
+
+    def _announce(self, replicas: bool) -> None:
+        hosts = len({i.host_name for i in self.identities.values()})
+        checks = [*(("grad_local", "grad_reduced" if self._distributed else "") if self.config.grad_checks else ()),
+                  *((f"weights every {self.config.weights_every}",) if replicas and self.config.weights_every else ()),
+                  *((f"replay every {self.config.replay_every} ({self.mode})",) if self._replay else ())]
+        text = (f"sdc_telemetry: monitoring {self._world} rank(s) on {hosts} host(s) from step {self._next_step}: "
+                f"{', '.join(c for c in checks if c) or 'no checks'}; on_suspect={self.config.on_suspect}")
+        if not replicas:
+            text += " (one replica: weight and replay checks need several ranks and are off)"
+        # Said at WARNING when logging is not configured, so that it reaches stderr once: monitoring is on.
+        log.log(logging.INFO if logging.getLogger().handlers else logging.WARNING, "%s", text)
+
+    # -- plumbing ------------------------------------------------------------------------------------------------
+
+    def _require_open_monitor(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"SDCMonitor is closed: {what}() is not available")
+
+    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
+        if key not in self._warned and self._writer:
+            log.warning(msg, *args)
+        self._warned.add(key)
+
     def _internal_error(self, component: str, what: str) -> None:
         log.exception("sdc_telemetry: %s (rank %d); training goes on", what, self.rank)
         self._guard("telemetry", self._observer.internal_error, component)
 
-    def _guard(self, component: str, fn: Callable[..., Any], *args: Any) -> Any:
+    def _guard(self, component: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         except SDCDetected:
             raise
         except Exception:  # telemetry and bookkeeping never break training
             log.exception("sdc_telemetry: %s failed (rank %d); training goes on", component, self.rank)
             if component != "telemetry":
-                with contextlib.suppress(Exception):
+                try:
                     self._observer.internal_error(component)
+                except Exception:
+                    log.debug("sdc_telemetry: counting an internal error failed", exc_info=True)
             return None
 
+
+def _is_fully_sharded(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)

@@ -17,7 +17,8 @@ NO_BATCH = object()
 
 
 class StepContext:
-    """One optimizer step, opened by ``monitor.step(batch)``.
+    """One optimizer step, opened by ``monitor.step(batch)``. The checks run when the block ends, on every rank,
+    before ``optimizer.step()``; that is where ``SDCDetected`` is raised.
 
     ``backward(loss)`` runs ``loss.backward()`` and records the loss. With gradient accumulation, open the step with
     no batch and register each micro-batch before its forward pass::
@@ -30,39 +31,84 @@ class StepContext:
                     step.backward(compute_loss(ddp_model, mb), scale=1 / len(micro_batches))
         optimizer.step()
 
-    ``scale`` multiplies the loss before backward (the monitor applies it, so that replay applies it identically).
+    ``scale`` multiplies the loss before backward, and ``scaler`` (a ``torch.amp.GradScaler``) scales it after
+    that: the monitor applies both, so that a replay reproduces the same gradients. Pass the unscaled, undivided
+    loss.
+
+    Frameworks that run backward themselves use the same object without ``with``: ``ctx = monitor.step(batch)``,
+    ``ctx.begin()``, ``ctx.record_loss(loss, scale=..., scaler=...)`` before their backward, ``ctx.end()`` once
+    the gradients are reduced (every rank).
     """
 
     def __init__(self, monitor: SDCMonitor, batch: Any) -> None:
         self._monitor = monitor
         self._batch = batch
         self._active = False
+        self._done = False
         self.index = -1
 
     def __enter__(self) -> StepContext:
+        return self.begin()
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is not None:
+            if self._active:
+                self._active = False
+                self._monitor._abandon_step()
+            return
+        self.end()
+
+    def begin(self) -> StepContext:
+        """Open the step (``with`` does it)."""
+        if self._done or self._active:
+            raise RuntimeError("a StepContext opens once: call monitor.step() for every step")
         self.index = self._monitor._open_step()
         self._active = True
         if self._batch is not NO_BATCH:
             self.micro_batch(self._batch)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def end(self) -> None:
+        """Close the step and run its checks (collective: every rank, after the gradients are reduced)."""
+        self._require_active("end")
         self._active = False
+        self._done = True
+        self._monitor._end_step()
 
     def micro_batch(self, batch: Any) -> None:
         """Register the next micro-batch of this step (call before its forward pass)."""
         self._require_active("micro_batch")
         self._monitor._micro_batch(batch)
 
-    def backward(self, loss: torch.Tensor, *, scale: float = 1.0) -> None:
-        """``(loss * scale).backward()``, recording ``loss`` for the replay check."""
-        self._require_active("backward")
+    def backward(self, loss: torch.Tensor, *, scale: float = 1.0, scaler: Any = None) -> None:
+        """``(loss * scale)`` (then ``scaler.scale(...)``) ``.backward()``, recording ``loss`` for the replay."""
+        self.record_loss(loss, scale=scale, scaler=scaler)
+        grad_scale = _grad_scale(scaler, loss)
+        scaled(loss, scale, grad_scale).backward()  # type: ignore[no-untyped-call]
+
+    def record_loss(self, loss: torch.Tensor, *, scale: float = 1.0, scaler: Any = None) -> None:
+        """Record a micro-batch's loss without running backward (the framework runs it): the backpropagated tensor
+        must be ``loss * scale``, then scaled by ``scaler`` if one is given."""
+        self._require_active("record_loss")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"step.backward() needs a scalar loss tensor, got {type(loss).__name__}"
                              + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
-        self._monitor._record_loss(loss, scale)
-        scaled(loss, scale).backward()  # type: ignore[no-untyped-call]
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+            raise ValueError(f"scale must be a positive number (1 / micro-batches), got {scale!r}")
+        if scaler is not None and not callable(getattr(scaler, "scale", None)):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        self._monitor._record_loss(loss, float(scale), _grad_scale(scaler, loss))
 
     def _require_active(self, what: str) -> None:
         if not self._active:
             raise RuntimeError(f"step.{what}() called outside its `with monitor.step(...) as step:` block")
+
+
+def _grad_scale(scaler: Any, loss: torch.Tensor) -> torch.Tensor | None:
+    """The scaler's current scale as a tensor on the loss's device (None without an enabled scaler)."""
+    if scaler is None or not scaler.is_enabled():
+        return None
+    if getattr(scaler, "_scale", None) is None:
+        scaler.scale(loss.detach())  # a GradScaler creates its scale tensor lazily, on first use
+    scale: torch.Tensor = scaler._scale
+    return scale.to(device=loss.device, non_blocking=True)

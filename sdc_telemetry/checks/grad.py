@@ -1,9 +1,13 @@
-"""Gradient health: ``grad_local`` (in the DDP comm hook, before all-reduce) and ``grad_reduced`` (before the update).
+"""Gradient health: ``grad_local`` (before the all-reduce) and ``grad_reduced`` (after it, before the update).
 
-Measuring: the comm hook records, per parameter, the fingerprint and the norm of the local gradient slice of each
-bucket (one pass each, no host sync). Before the optimizer step the reduced gradients' norms are taken. One
-all-gather of a small status row per rank then gives every rank the same picture, and ``decide`` turns it into the
-same verdict everywhere.
+Measuring: the DDP comm hook records, for each bucket, the per-parameter norms of the local gradients (one
+``_foreach_norm`` pass: it feeds the non-finite test, the evidence naming the parameters, and the replay's tolerance
+sketch) and, on replay audit steps only, their fingerprints. After backward the reduced gradients' norms are taken in
+one more pass. Nothing is read on the host: the monitor packs the verdict inputs into the step's status vector.
+
+Deciding (``decide``, pure): non-finite gradients on every rank at once are a ``numerics`` event (fp16 overflow, a
+bad batch, divergence: the model's problem, not a node's). Only a subset of ranks disagreeing with the rest makes a
+hardware suspect. A single process cannot tell the two apart and names itself.
 
 Non-finite test: a gradient holds a NaN or an Inf exactly when its L2 norm is not finite, except for a finite
 gradient whose squared norm overflows float32 (norm > 1.8e19), which is reported as non-finite too: such a gradient
@@ -13,53 +17,50 @@ would itself wreck the step.
 from __future__ import annotations
 
 import math
-import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..fingerprint import fingerprint
+from ..fingerprint import digest, fingerprint
 from . import Finding
+from .evidence import json_float, top
 
-__all__ = ["GradRecord", "CommHookState", "comm_hook", "reduced_norms", "StatusRow", "decide"]
+__all__ = ["GradRecord", "CommHookState", "comm_hook", "reduced_norms", "decide", "GradStatus"]
 
 GradBucket = Any  # torch.distributed.GradBucket (a pybind class the type checker cannot see)
 CommHook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
 
 
 class GradRecord:
-    """Local-gradient measurements of the current step, filled bucket by bucket by the comm hook.
-
-    Every step: one norm per bucket (one pass over the flat bucket: the non-finite test and the local norm). On
-    replay audit steps only (``detail``): also the per-parameter fingerprints and norms a replay compares against.
-    """
+    """Local-gradient measurements of the current step, filled bucket by bucket by the comm hook (or, without
+    DDP, from ``.grad`` after backward)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], device: torch.device) -> None:
         self._index = {id(p): i for i, p in enumerate(params)}
+        self._params = list(params)
         self._device = device
-        self.fp = torch.zeros(len(params), dtype=torch.int64, device=device)
         self.norms = torch.zeros(len(params), dtype=torch.float32, device=device)
-        self.bucket_norms: list[torch.Tensor] = []
+        self.fp: torch.Tensor | None = None  # (P, C) on audit steps
         self.buckets = 0
         self.failed = False
         self.repeated = False
         self.detail = False
-        self._detailed = False
         self._seen: set[int] = set()
 
     def reset(self, detail: bool = False) -> None:
-        if self._detailed:
-            self.fp.zero_()
-            self.norms.zero_()
-            self._detailed = False
-        self.bucket_norms = []
+        self.norms.zero_()
+        self.fp = None
         self.buckets = 0
         self.failed = False
         self.repeated = False
         self.detail = detail
         self._seen.clear()
+
+    @property
+    def measured(self) -> bool:
+        return self.buckets > 0 and not self.failed
 
     def measure(self, bucket: GradBucket) -> None:
         if bucket.index() in self._seen:
@@ -67,32 +68,38 @@ class GradRecord:
             # holds an earlier reduced gradient plus a local one, which no replay can reproduce.
             self.repeated = True
         self._seen.add(bucket.index())
-        self.bucket_norms.append(torch.linalg.vector_norm(bucket.buffer()).float().reshape(1))
-        self.buckets += 1
-        if self.detail:
-            self._measure_parameters(bucket)
-
-    def _measure_parameters(self, bucket: GradBucket) -> None:
-        self._detailed = True
         # Parameters frozen after DDP was built still sit in its buckets: they are not checked.
         pairs = [(self._index[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True)
                  if id(p) in self._index]
-        if not pairs:
-            return
-        grads = [g for _, g in pairs]
-        key = tuple(i for i, _ in pairs)
-        idx = _index_tensor(key, self._device)
-        self.fp.index_copy_(0, idx, fingerprint(grads).squeeze(1))
-        self.norms.index_copy_(0, idx, torch.stack(torch._foreach_norm(grads)).float())
+        self.buckets += 1
+        if pairs:
+            self._store([i for i, _ in pairs], [g for _, g in pairs])
 
-    def total_fp(self) -> torch.Tensor:
-        """Sum of the per-parameter fingerprints (order-independent); meaningful on ``detail`` steps."""
-        return self.fp.sum()
+    def measure_local(self) -> None:
+        """Without a reduction (one process): the local gradients are ``.grad`` after backward."""
+        pairs = [(i, p.grad) for i, p in enumerate(self._params) if p.grad is not None]
+        self.buckets += 1
+        if pairs:
+            self._store([i for i, _ in pairs], [g for _, g in pairs])
+
+    def _store(self, index: list[int], grads: list[torch.Tensor]) -> None:
+        idx = _index_tensor(tuple(index), self._device)
+        self.norms.index_copy_(0, idx, torch.stack(torch._foreach_norm(grads)).float().to(self._device))
+        if self.detail:
+            fps = fingerprint(grads).to(self._device)
+            if self.fp is None:
+                self.fp = torch.zeros((len(self._params), fps.shape[1]), dtype=torch.int64, device=self._device)
+            self.fp.index_copy_(0, idx, fps)
 
     def total_norm(self) -> torch.Tensor:
-        norm: torch.Tensor = torch.linalg.vector_norm(torch.cat(self.bucket_norms)) if self.bucket_norms \
-            else torch.tensor(math.nan, device=self._device)
+        norm: torch.Tensor = torch.linalg.vector_norm(self.norms)
         return norm
+
+    def total_fp(self) -> torch.Tensor:
+        """Position-sensitive digest of the per-parameter fingerprints (audit steps)."""
+        if self.fp is None:
+            return torch.zeros((), dtype=torch.int64, device=self._device)
+        return digest(self.fp)
 
 
 @dataclass
@@ -110,7 +117,7 @@ def comm_hook(state: CommHookState, bucket: GradBucket) -> torch.futures.Future[
     if state.enabled:
         try:
             state.record.measure(bucket)
-        except Exception:  # noqa: BLE001 - reported through the status row; the all-reduce must still happen
+        except Exception:  # noqa: BLE001 - reported through the status vector; the all-reduce must still happen
             state.record.failed = True
     return state.inner_hook(state.inner_state, bucket)
 
@@ -142,81 +149,58 @@ def reduced_norms(params: Sequence[torch.nn.Parameter], device: torch.device) ->
     return out
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.detach().to(torch.float64).reshape(1).view(torch.int64)
-
-
-def _float(bits: int) -> float:
-    return float(struct.unpack("<d", struct.pack("<q", bits))[0])
-
-
 @dataclass(frozen=True)
-class StatusRow:
-    """One rank's status in a step, as gathered: the plain-data input of ``decide``."""
+class GradStatus:
+    """One rank's gradient status at a step, as gathered on the rare path (plain data: the input of ``decide``)."""
 
-    step: int
+    rank: int
     local_measured: bool
-    local_norm: float
-    reduced_norm: float
-    local_fp: int
-    error: bool
-    repeated: bool = False     # a bucket was all-reduced twice in the step (accumulation without no_sync)
-    replayable: bool = False   # this rank captured a complete replay record of the step
-
-    @property
-    def comparable(self) -> bool:
-        """The recorded local gradients are what a replay of the step must reproduce."""
-        return self.local_measured and not self.repeated and not self.error
-
-    @staticmethod
-    def build(step: int, record: GradRecord | None, reduced: torch.Tensor | None, error: bool,
-              replayable: bool = False) -> torch.Tensor:
-        """The row this rank contributes (device tensor, no host sync)."""
-        device = record.fp.device if record is not None else torch.device("cpu")
-        nan = torch.tensor([math.nan], dtype=torch.float64, device=device).view(torch.int64)
-        measured = record is not None and record.buckets > 0 and not record.failed
-        repeated = record is not None and record.repeated
-        parts = [
-            torch.tensor([step, int(measured), int(repeated), int(replayable)], dtype=torch.int64, device=device),
-            _bits(record.total_norm()) if measured and record is not None else nan,
-            _bits(torch.linalg.vector_norm(reduced)) if reduced is not None else nan,
-            record.total_fp().reshape(1) if measured and record is not None else torch.zeros(1, dtype=torch.int64,
-                                                                                              device=device),
-            torch.tensor([int(error)], dtype=torch.int64, device=device),
-        ]
-        return torch.cat(parts)
-
-    @classmethod
-    def parse(cls, row: Sequence[int]) -> StatusRow:
-        return cls(step=row[0], local_measured=bool(row[1]), repeated=bool(row[2]), replayable=bool(row[3]),
-                   local_norm=_float(row[4]), reduced_norm=_float(row[5]), local_fp=row[6], error=bool(row[7]))
+    local_nonfinite: bool
+    reduced_measured: bool
+    reduced_nonfinite: bool
+    local_norm: float = math.nan
+    reduced_norm: float = math.nan
 
 
-def decide(rows: Sequence[StatusRow], ranks: Sequence[int], check_local: bool) -> Finding | None:
-    """Same verdict on every rank from the gathered rows.
+def decide(rows: Sequence[GradStatus], *, overflow_expected: bool = False) -> Finding | None:
+    """Same verdict on every rank from the ranks' gradient status.
 
-    A rank whose local gradients are non-finite is the ``grad_local`` suspect (its NaN spreads to every replica
-    through the all-reduce, so reduced non-finites are expected then). Reduced non-finite gradients while every local
-    gradient was finite point at the communication path: ``grad_reduced`` with verdict ``communication``, naming the
-    ranks that received them.
+    - Local non-finite on every measured rank (or, with a GradScaler, on any rank: an fp16 overflow is routine and
+      the scaler skips the step everywhere): a ``numerics`` event of ``grad_local``, no suspect.
+    - Local non-finite on some ranks only: those ranks are the ``grad_local`` suspects (their NaN reaches every
+      replica through the all-reduce, so reduced non-finites are expected then).
+    - Every local gradient finite, reduced non-finite on some ranks only: ``grad_reduced``, verdict
+      ``communication``, naming the receivers. On every rank: a ``numerics`` event (overflow in the reduction).
+    - One rank in all (a single process): a non-finite local gradient names it (numerics and hardware look alike).
     """
-    local_bad = [r for r, s in zip(ranks, rows, strict=True) if s.local_measured and not math.isfinite(s.local_norm)]
-    if check_local and local_bad:
-        return Finding("grad_local", tuple(local_bad), {
-            "verdict": "nonfinite_local_gradients",
-            "local_grad_norm": {str(r): _json_float(s.local_norm) for r, s in zip(ranks, rows, strict=True)},
+    measured = [s for s in rows if s.local_measured]
+    local_bad = [s for s in measured if s.local_nonfinite]
+    if local_bad:
+        every = len(local_bad) == len(measured) and len(rows) > 1
+        if every or overflow_expected:
+            return Finding("grad_local", (), {
+                "verdict": "numerics", "nonfinite_ranks": len(local_bad), "ranks": len(rows),
+                "reason": "a GradScaler overflow (the scaler skips this step)" if overflow_expected and not every
+                else "non-finite local gradients on every rank: overflow, a bad batch or divergence"})
+        return Finding("grad_local", tuple(s.rank for s in local_bad), {
+            "verdict": "nonfinite_local_gradients" if len(rows) > 1 else "undetermined",
+            "ambiguous": len(rows) == 1,
+            "nonfinite_ranks": len(local_bad), "ranks": len(rows),
+            "local_grad_norm": top({str(s.rank): json_float(s.local_norm) for s in local_bad}),
         })
-    reduced_bad = [r for r, s in zip(ranks, rows, strict=True) if not math.isfinite(s.reduced_norm)]
-    if reduced_bad:
-        all_measured = all(s.local_measured for s in rows)
-        return Finding("grad_reduced", tuple(reduced_bad), {
-            "verdict": "communication" if all_measured else "nonfinite_reduced_gradients",
-            "local_gradients_finite": all_measured,
-            "reduced_grad_norm": {str(r): _json_float(s.reduced_norm) for r, s in zip(ranks, rows, strict=True)},
-            "local_grad_norm": {str(r): _json_float(s.local_norm) for r, s in zip(ranks, rows, strict=True)},
-        })
-    return None
-
-
-def _json_float(x: float) -> float | str:
-    return x if math.isfinite(x) else str(x)
+    reduced = [s for s in rows if s.reduced_measured]
+    reduced_bad = [s for s in reduced if s.reduced_nonfinite]
+    if not reduced_bad:
+        return None
+    all_measured = len(measured) == len(rows)
+    if len(reduced_bad) == len(reduced) and len(rows) > 1:
+        return Finding("grad_reduced", (), {
+            "verdict": "numerics", "nonfinite_ranks": len(reduced_bad), "ranks": len(rows),
+            "reason": "non-finite reduced gradients on every rank while local ones were finite: overflow in the "
+                      "reduction"})
+    return Finding("grad_reduced", tuple(s.rank for s in reduced_bad), {
+        "verdict": "communication" if all_measured else "nonfinite_reduced_gradients",
+        "local_gradients_finite": all_measured,
+        "nonfinite_ranks": len(reduced_bad), "ranks": len(rows),
+        "reduced_grad_norm": top({str(s.rank): json_float(s.reduced_norm) for s in reduced_bad}),
+    })

@@ -6,7 +6,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Outcome", "attribute", "pick_shifts"]
+__all__ = ["Outcome", "Pairing", "attribute", "plan_pairs"]
+
+_MAX_SHIFTS = 16       # shifts kept in the rotation
+_MAX_CANDIDATES = 64   # shifts examined (each costs O(W)): set-up stays O(W log W) at any world size
 
 
 @dataclass
@@ -18,17 +21,57 @@ class Outcome:
     reproduced: dict[int, bool] = field(default_factory=dict)   # origin position -> reran its own batch identically
 
 
-def pick_shifts(hosts: Sequence[str]) -> list[int]:
-    """Shifts s (replayer p audits p + s) in rotation order: those pairing every rank with another host first."""
+@dataclass(frozen=True)
+class Pairing:
+    """Positions in a host-interleaved order, and the shifts along that order to rotate through.
+
+    With shift ``s``, the rank at order index ``i`` replays the rank at index ``i + s`` (mod W)."""
+
+    order: tuple[int, ...]   # order index -> group position
+    index: tuple[int, ...]   # group position -> order index
+    shifts: tuple[int, ...]
+
+    def origin(self, pos: int, shift: int) -> int:
+        """The position whose micro-batches ``pos`` replays."""
+        return self.order[(self.index[pos] + shift) % len(self.order)]
+
+    def replayer(self, pos: int, shift: int) -> int:
+        """The position that replays ``pos``'s micro-batches."""
+        return self.order[(self.index[pos] - shift) % len(self.order)]
+
+
+def plan_pairs(hosts: Sequence[str]) -> Pairing:
+    """Pair every rank with a rank on another host where possible, in O(W log W).
+
+    Ranks are interleaved round-robin across hosts (the first rank of every host, then the second ...), so a shift
+    along that order crosses hosts for every rank unless it is a multiple of the host count (equal host sizes).
+    At most ``_MAX_CANDIDATES`` shifts are examined; those crossing hosts for the most ranks are kept, in order.
+
+    >>> p = plan_pairs(["a", "a", "b", "b"])
+    >>> [p.origin(pos, p.shifts[0]) for pos in range(4)]
+    [2, 3, 1, 0]
+    """
     world = len(hosts)
+    by_host: dict[str, list[int]] = {}
+    for pos, h in enumerate(hosts):
+        by_host.setdefault(h, []).append(pos)
+    groups = sorted(by_host.values(), key=lambda g: g[0])
+    order: list[int] = []
+    for i in range(max((len(g) for g in groups), default=0)):
+        order += [g[i] for g in groups if i < len(g)]
+    index = [0] * world
+    for i, pos in enumerate(order):
+        index[pos] = i
+    if world < 2:
+        return Pairing(tuple(order), tuple(index), ())
 
     def crossing(s: int) -> int:
-        return sum(hosts[p] != hosts[(p + s) % world] for p in range(world))
+        return sum(hosts[order[i]] != hosts[order[(i + s) % world]] for i in range(world))
 
-    shifts = list(range(1, world))
-    best = max((crossing(s) for s in shifts), default=0)
-    preferred = [s for s in shifts if crossing(s) == best]
-    return preferred if best > 0 else shifts
+    scored = [(crossing(s), s) for s in range(1, min(world, _MAX_CANDIDATES + 1))]
+    best = max(c for c, _ in scored)
+    shifts = [s for c, s in scored if c == best][:_MAX_SHIFTS]
+    return Pairing(tuple(order), tuple(index), tuple(shifts))
 
 
 def attribute(outcome: Outcome) -> tuple[tuple[int, ...], dict[str, Any]]:

@@ -26,14 +26,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._collective import collective_device, gather_rows
-from ..fingerprint import fingerprint
+from .._collective import agree, collective_device, gather_rows, sum_counts
+from ..fingerprint import digest, fingerprint
 from ..identity import RankIdentity
 from . import Finding
-from .pairing import Outcome, attribute, pick_shifts
+from .evidence import MAX_ITEMS, bits, json_float, unbits
+from .pairing import Outcome, attribute, plan_pairs
 from .shipping import MicroBatch, check_shippable, pack, unpack
 
-__all__ = ["ReplayCheck", "Measurement", "Outcome", "attribute", "pick_shifts", "scaled", "check_shippable"]
+__all__ = ["ReplayCheck", "Measurement", "Outcome", "attribute", "plan_pairs", "scaled", "check_shippable",
+           "noise_median"]
 
 _CALIBRATE_EVERY = 10  # audits between noise-floor recalibrations in tolerance="auto"
 _AUTO_FLOOR = 1e-5     # relative tolerance when reruns are bitwise identical
@@ -41,9 +43,14 @@ _AUTO_FACTOR = 10.0    # threshold = factor x the rerun noise floor
 _CALIBRATION_WINDOW = 5  # calibrations the noise floor is taken over
 
 
-def scaled(loss: torch.Tensor, scale: float) -> torch.Tensor:
-    """The tensor backpropagated for ``loss``; the step and the replay must build it identically."""
-    return loss if scale == 1.0 else loss * scale
+def scaled(loss: torch.Tensor, scale: float, grad_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor backpropagated for ``loss``; the step and the replay must build it identically.
+
+    ``grad_scale`` is a GradScaler's current scale: ``scaler.scale(loss * scale)`` multiplies by it in this order."""
+    out = loss if scale == 1.0 else loss * scale
+    if grad_scale is not None:
+        out = out * grad_scale.to(device=out.device, non_blocking=True)
+    return out
 
 
 @dataclass
@@ -57,7 +64,7 @@ class _Result:
 
 @dataclass(frozen=True)
 class Measurement:
-    """This rank's comparison against one origin rank (exported per ``origin_rank``)."""
+    """This rank's comparison against the origin rank it audited."""
 
     origin_rank: int
     loss_delta: float
@@ -87,7 +94,8 @@ class ReplayCheck:
         self.tolerance = _AUTO_FLOOR if self._auto else float(tolerance)
         self.noise_floor = 0.0
         self._every = every
-        self._shifts = pick_shifts([identities[r].host_name if r in identities else str(r) for r in self._ranks])
+        self._pairs = plan_pairs([identities[r].host_name if r in identities else str(r) for r in self._ranks])
+        self._last_deltas: dict[str, dict[str, float | str]] = {}
         self._audits = 0
         self._capturing = False
         self._replaying = False
@@ -134,7 +142,7 @@ class ReplayCheck:
             if state is not None:
                 self._micro[-1].autocast = state
 
-    def record_loss(self, loss: torch.Tensor, scale: float) -> None:
+    def record_loss(self, loss: torch.Tensor, scale: float, grad_scale: torch.Tensor | None = None) -> None:
         pending = [m for m in self._micro if m.loss is None]
         if not pending:
             raise ValueError("step.backward() without a registered micro-batch: the replay check needs the batch. "
@@ -144,39 +152,38 @@ class ReplayCheck:
         mb.scale = float(scale)
         mb.loss = loss.detach().clone() if self._capturing else torch.empty(0)
         if self._capturing:
+            mb.grad_scale = grad_scale.detach().clone() if grad_scale is not None else None
             mb.had_grad = [p.grad is not None for p in self._params]
             if mb.autocast is None:
                 mb.autocast = _autocast_state(self._device)
 
-    # -- the audit (pre optimizer step) --------------------------------------------------------------------------
+    # -- the audit (end of the step, before the update) ----------------------------------------------------------
 
-    def run(self, step: int, local_fps: Sequence[int], local_norms: torch.Tensor
-            ) -> tuple[Finding | None, list[Measurement]]:
-        """Audit this step. ``local_fps``: every position's recorded local-gradient fingerprint (gathered);
-        ``local_norms``: this rank's per-parameter local-gradient norms (the tolerance sketch)."""
+    def run(self, local_fp: int, local_norms: torch.Tensor) -> tuple[Finding | None, Measurement | None]:
+        """Audit this step. ``local_fp``: this rank's recorded local-gradient digest; ``local_norms``: its
+        per-parameter local-gradient norms (the tolerance sketch). Every rank calls it at the same step."""
         self.errors, self.error_text = [], ""
         micro = [m for m in self._micro if m.loss is not None and m.batch is not None]
         self._micro, self._capturing = [], False
         world = len(self._ranks)
-        shift = self._shifts[self._audits % len(self._shifts)]
+        shift = self._pairs.shifts[self._audits % len(self._pairs.shifts)]
         calibrate = self._auto and self.mode == "tolerance" and self._audits % _CALIBRATE_EVERY == 0
         self._audits += 1
 
-        mine = {"micro": micro, "fp": int(local_fps[self._pos]), "norms": local_norms.detach().float().cpu()}
+        mine = {"micro": micro, "fp": local_fp, "norms": local_norms.detach().float().cpu()}
         outcome = Outcome(world)
         if calibrate:  # before comparing, so the first audit already uses a measured threshold
             self._calibrate(mine)
-        edges, measured = self._cross_round(shift, mine, local_fps)
+        edges, measured = self._cross_round(shift, mine)
         outcome.edges += edges
-        if self.errors:
+        if self.errors or not edges:
             return None, measured
-        if not edges:
-            return None, measured
-        # Rare path: a mismatch. Same-rank reruns, and with 3+ ranks a referee round with another shift.
+        # Rare path: a mismatch. Same-rank reruns, and with 3 or more ranks a referee round with another shift.
         outcome.reproduced = self._self_round(mine)
-        referee = next((s for s in range(1, world) if s != shift), None) if world >= 3 else None
+        others = (s for s in (*self._pairs.shifts, *range(1, world)) if s != shift)
+        referee = next(others, None) if world >= 3 else None
         if referee is not None:
-            more, _ = self._cross_round(referee, mine, local_fps)
+            more, _ = self._cross_round(referee, mine)
             outcome.edges += more
         if self.errors:
             return None, measured
@@ -188,38 +195,43 @@ class ReplayCheck:
             return None, measured
         if not suspects:
             return None, measured
+        involved = {p for e in outcome.edges[:MAX_ITEMS] for p in e}
         evidence: dict[str, Any] = dict(why)
         evidence.update({
             "mode": self.mode,
             "tolerance": self.tolerance if self.mode == "tolerance" else 0.0,
-            "mismatching_pairs": [{"replayer": self._ranks[a], "origin": self._ranks[b]} for a, b in outcome.edges],
-            "reproduced_own_result": {str(self._ranks[p]): ok for p, ok in outcome.reproduced.items()},
-            "recorded_grad_fingerprints": {str(self._ranks[p]): f"{local_fps[p] & (2**64 - 1):016x}"
-                                           for p in range(world)},
+            "mismatching_pairs": [{"replayer": self._ranks[a], "origin": self._ranks[b]}
+                                  for a, b in outcome.edges[:MAX_ITEMS]],
+            "mismatching_pair_count": len(outcome.edges),
+            "reproduced_own_result": {str(self._ranks[p]): ok for p, ok in outcome.reproduced.items()
+                                      if not ok or p in involved},
             "deltas": self._last_deltas,
             "verdict": "transient" if why.get("fault") == "transient" else "persistent",
         })
         return Finding("replay", tuple(self._ranks[p] for p in suspects), evidence), measured
 
-    def _cross_round(self, shift: int, mine: dict[str, Any], local_fps: Sequence[int]
-                     ) -> tuple[list[tuple[int, int]], list[Measurement]]:
-        world = len(self._ranks)
-        origin = (self._pos + shift) % world
-        replayer_of_mine = (self._pos - shift) % world
+    def _cross_round(self, shift: int, mine: dict[str, Any]) -> tuple[list[tuple[int, int]], Measurement | None]:
+        origin = self._pairs.origin(self._pos, shift)
+        replayer_of_mine = self._pairs.replayer(self._pos, shift)
         theirs = self._exchange(mine, send_to=replayer_of_mine, recv_from=origin)
-        row = self._compare(theirs, local_fps[origin] if theirs is not None else 0)
+        row = self._compare(theirs, theirs["fp"] if theirs is not None else 0)
+        measured = Measurement(self._ranks[origin], unbits(int(row[1])), unbits(int(row[2])), bool(row[0])) \
+            if not row[3] else None
+        # Healthy audits end here: one fixed-size agreement says nobody mismatched or failed.
+        high, _ = agree(row[[0, 3]], self._group)
+        if not any(high):
+            return [], measured
         rows = gather_rows(row, self._group)
         self._collect_errors(rows)
-        edges, measured = [], []
+        edges = []
         self._last_deltas = {}
         for p, r in enumerate(rows):
-            o = (p + shift) % world
-            loss_d, grad_d = _float(r[1]), _float(r[2])
-            self._last_deltas[f"{self._ranks[p]}->{self._ranks[o]}"] = {"loss": _json(loss_d), "grad": _json(grad_d)}
+            o = self._pairs.origin(p, shift)
             if r[0] == 1:
                 edges.append((p, o))
-            if p == self._pos and r[3] == 0:
-                measured.append(Measurement(self._ranks[o], loss_d, grad_d, r[0] == 1))
+                if len(self._last_deltas) < MAX_ITEMS:
+                    self._last_deltas[f"{self._ranks[p]}->{self._ranks[o]}"] = {
+                        "loss": json_float(unbits(r[1])), "grad": json_float(unbits(r[2]))}
         return edges, measured
 
     def _self_round(self, mine: dict[str, Any]) -> dict[int, bool]:
@@ -229,15 +241,15 @@ class ReplayCheck:
         return {p: r[0] == 0 for p, r in enumerate(rows)}
 
     def _calibrate(self, mine: dict[str, Any]) -> None:
-        """Same-rank rerun of this rank's own step: the noise floor of non-deterministic kernels."""
+        """Same-rank rerun of this rank's own step: the noise floor of non-deterministic kernels. The median over
+        ranks comes from a summed histogram (fixed size at any world size), not from gathering every rank's delta."""
         row = self._compare(mine, mine["fp"])
-        rows = gather_rows(row, self._group)
-        deltas = sorted(max(_float(r[1]), _float(r[2])) for r in rows if r[3] == 0)
-        finite = [d for d in deltas if math.isfinite(d)]
-        if finite:
+        delta = max(unbits(int(row[1])), unbits(int(row[2]))) if not row[3] else math.nan
+        floor = noise_median(sum_counts(_histogram(delta), self._group))
+        if floor is not None:
             # The median rank's rerun noise, over a window of recent calibrations: one faulty rank (or one bad
             # calibration) cannot raise the threshold for good and blind the check.
-            self._floors.append(finite[len(finite) // 2])
+            self._floors.append(floor)
             self.noise_floor = max(self._floors)
             self.tolerance = min(max(_AUTO_FLOOR, _AUTO_FACTOR * self.noise_floor), 0.5)
 
@@ -260,10 +272,10 @@ class ReplayCheck:
                 mismatch = not (same_loss and result.fp == recorded_fp)
             else:
                 mismatch = not (loss_delta <= self.tolerance and grad_delta <= self.tolerance)
-            return torch.tensor([int(mismatch), _bits(loss_delta), _bits(grad_delta), 0], dtype=torch.int64)
-        except Exception as e:  # noqa: BLE001 - reported to every rank through the gathered row
+            return torch.tensor([int(mismatch), bits(loss_delta), bits(grad_delta), 0], dtype=torch.int64)
+        except Exception as e:  # noqa: BLE001 - reported to every rank through the agreement
             self.error_text = f"{type(e).__name__}: {e}"
-            return torch.tensor([0, _bits(math.nan), _bits(math.nan), 1], dtype=torch.int64)
+            return torch.tensor([0, bits(math.nan), bits(math.nan), 1], dtype=torch.int64)
 
     def _collect_errors(self, rows: Sequence[Sequence[int]]) -> None:
         self.errors += [self._ranks[p] for p, r in enumerate(rows) if r[3] and self._ranks[p] not in self.errors]
@@ -287,7 +299,7 @@ class ReplayCheck:
                        if mb.autocast is not None and mb.autocast[0] else nullcontext())
                 with torch.enable_grad(), ctx:
                     loss = self._loss_fn(self._module, mb.batch)
-                grads = torch.autograd.grad(scaled(loss, mb.scale), self._params, allow_unused=True)
+                grads = torch.autograd.grad(scaled(loss, mb.scale, mb.grad_scale), self._params, allow_unused=True)
                 for i, grad in enumerate(grads):
                     if grad is not None:
                         prev = total[i]
@@ -295,13 +307,18 @@ class ReplayCheck:
                             prev = torch.zeros_like(grad)  # zero_grad(set_to_none=False): .grad = 0.0 + g
                         total[i] = grad if prev is None else prev + grad  # the order autograd accumulates .grad in
                 losses.append(float(loss.detach().double().item()))
-            present = [g for g in total if g is not None]
-            fp = int(fingerprint(present).sum().item()) if present else 0
+            fps = torch.zeros((len(self._params), 1), dtype=torch.int64, device=self._device)
+            present = [(i, g) for i, g in enumerate(total) if g is not None]
+            if present:
+                rows = fingerprint([g for _, g in present]).to(self._device)
+                if rows.shape[1] != fps.shape[1]:
+                    fps = torch.zeros((len(self._params), rows.shape[1]), dtype=torch.int64, device=self._device)
+                fps[torch.tensor([i for i, _ in present], device=self._device)] = rows
             norms = torch.zeros(len(self._params), dtype=torch.float32)
             for i, g in enumerate(total):
                 if g is not None:
                     norms[i] = torch.linalg.vector_norm(g).float().cpu()
-            return _Result(losses, _wrap64(fp), norms)
+            return _Result(losses, int(digest(fps).item()), norms)
         finally:
             self._replaying = False
             with torch.no_grad():
@@ -362,18 +379,40 @@ def _same_bits(a: float, b: float) -> bool:
     return struct.pack("<d", a) == struct.pack("<d", b)
 
 
-def _bits(x: float) -> int:
-    return int(struct.unpack("<q", struct.pack("<d", x))[0])
+# Rerun-noise histogram: bucket 0 holds exact reruns (delta 0), buckets 1.._BINS cover 1e-20..1 in half decades,
+# the last one everything larger or non-finite. Ranks that could not rerun contribute nothing.
+_BINS = 40
 
 
-def _float(bits: int) -> float:
-    return float(struct.unpack("<d", struct.pack("<q", bits))[0])
+def _histogram(delta: float) -> list[int]:
+    counts = [0] * (_BINS + 2)
+    if math.isnan(delta):
+        return counts
+    if delta <= 0.0:
+        counts[0] = 1
+    elif not math.isfinite(delta) or delta >= 1.0:
+        counts[-1] = 1
+    else:
+        counts[1 + min(_BINS - 1, max(0, int((math.log10(delta) + 20) * 2)))] = 1
+    return counts
 
 
-def _json(x: float) -> float | str:
-    return x if math.isfinite(x) else str(x)
+def noise_median(counts: Sequence[int]) -> float | None:
+    """The median rank's rerun noise from a summed ``_histogram``, as the upper edge of its bucket (None: no data).
 
-
-def _wrap64(x: int) -> int:
-    x &= 2**64 - 1
-    return x - 2**64 if x >= 2**63 else x
+    >>> noise_median([3, 0] + [0] * 40)
+    0.0
+    """
+    total = sum(counts)
+    if total == 0:
+        return None
+    seen = 0
+    for i, c in enumerate(counts):
+        seen += c
+        if 2 * seen > total:
+            if i == 0:
+                return 0.0
+            if i == len(counts) - 1:
+                return math.inf
+            return float(10 ** ((i) / 2 - 20))
+    return math.inf

@@ -1,10 +1,14 @@
 """What travels to a replaying rank: a step's micro-batches with their RNG and autocast state, and the origin's
-record. Only plain nests of tensors and values are allowed, so the receiver can load them with
-``torch.load(weights_only=True)`` and never unpickles arbitrary objects from a peer."""
+record. Only plain nests of tensors and values are allowed (lists, tuples, namedtuples, dicts and OrderedDicts), so
+the receiver can load them with ``torch.load(weights_only=True)`` and never unpickles arbitrary objects from a peer.
+A namedtuple travels as its class path and values and is rebuilt on the receiver only if that path names a
+namedtuple class there (both ranks run the same code)."""
 
 from __future__ import annotations
 
+import importlib
 import io
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,11 +25,11 @@ def check_shippable(batch: Any, path: str = "batch") -> None:
         if batch.layout != torch.strided:
             raise TypeError(f"replay cannot ship {path}: a {batch.layout} tensor; use dense tensors")
         return
-    if type(batch) in (list, tuple):
+    if type(batch) in (list, tuple) or _is_namedtuple(batch):
         for i, item in enumerate(batch):
             check_shippable(item, f"{path}[{i}]")
         return
-    if type(batch) is dict:
+    if type(batch) in (dict, OrderedDict):
         for k, v in batch.items():
             if not isinstance(k, (str, int)):
                 raise TypeError(f"replay cannot ship {path}: dict key {k!r} of type {type(k).__name__} "
@@ -39,6 +43,41 @@ def check_shippable(batch: Any, path: str = "batch") -> None:
                     "bytes, None); convert it in the loop, or set replay_every=0")
 
 
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and type(x) is not tuple and hasattr(type(x), "_fields")
+
+
+_NT = "__sdc_namedtuple__"
+
+
+def _to_plain(x: Any) -> Any:
+    """Namedtuples as tagged dicts (weights_only loading refuses unknown classes); everything else as is."""
+    if _is_namedtuple(x):
+        cls = type(x)
+        return {_NT: f"{cls.__module__}:{cls.__qualname__}", "values": [_to_plain(v) for v in x]}
+    if type(x) in (list, tuple):
+        return type(x)(_to_plain(v) for v in x)
+    if type(x) in (dict, OrderedDict):
+        return type(x)((k, _to_plain(v)) for k, v in x.items())
+    return x
+
+
+def _from_plain(x: Any) -> Any:
+    if type(x) is dict and _NT in x:
+        module, _, qualname = str(x[_NT]).partition(":")
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        if not (isinstance(obj, type) and issubclass(obj, tuple) and hasattr(obj, "_fields")):
+            raise TypeError(f"replay record names {x[_NT]!r}, which is not a namedtuple class on this rank")
+        return obj(*(_from_plain(v) for v in x["values"]))
+    if type(x) in (list, tuple):
+        return type(x)(_from_plain(v) for v in x)
+    if type(x) in (dict, OrderedDict):
+        return type(x)((k, _from_plain(v)) for k, v in x.items())
+    return x
+
+
 @dataclass
 class MicroBatch:
     batch: Any
@@ -47,6 +86,7 @@ class MicroBatch:
     autocast: tuple[bool, torch.dtype] | None
     scale: float = 1.0
     loss: torch.Tensor | None = None
+    grad_scale: torch.Tensor | None = None  # a GradScaler's scale when the loss was scaled by it
     # Which parameters already had a .grad when this micro-batch's backward ran: autograd then adds into it
     # (0.0 + g turns -0.0 into +0.0), and the replay must add the same way to reproduce the bits.
     had_grad: list[bool] | None = None
@@ -56,8 +96,9 @@ def pack(record: dict[str, Any]) -> torch.Tensor:
     plain = {
         "fp": record["fp"],
         "norms": record["norms"],
-        "micro": [{"batch": m.batch, "cpu_rng": m.cpu_rng, "dev_rng": m.dev_rng, "scale": m.scale,
-                   "loss": m.loss, "had_grad": m.had_grad, "autocast": None if m.autocast is None else
+        "micro": [{"batch": _to_plain(m.batch), "cpu_rng": m.cpu_rng, "dev_rng": m.dev_rng, "scale": m.scale,
+                   "loss": m.loss, "grad_scale": m.grad_scale, "had_grad": m.had_grad,
+                   "autocast": None if m.autocast is None else
                    (m.autocast[0], str(m.autocast[1]).removeprefix("torch."))} for m in record["micro"]],
     }
     buf = io.BytesIO()
@@ -74,7 +115,8 @@ def unpack(data: torch.Tensor, device: torch.device) -> dict[str, Any]:
         return storage if location == "cpu" else storage.to(device)
 
     plain = torch.load(io.BytesIO(raw), map_location=place, weights_only=True)
-    micro = [MicroBatch(batch=m["batch"], cpu_rng=m["cpu_rng"], dev_rng=m["dev_rng"], had_grad=m["had_grad"],
+    micro = [MicroBatch(batch=_from_plain(m["batch"]), cpu_rng=m["cpu_rng"], dev_rng=m["dev_rng"],
+                         had_grad=m["had_grad"], grad_scale=m["grad_scale"],
                          autocast=None if m["autocast"] is None else (m["autocast"][0],
                                                                       getattr(torch, m["autocast"][1])),
                          scale=m["scale"], loss=m["loss"]) for m in plain["micro"]]

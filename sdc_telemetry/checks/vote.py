@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 __all__ = ["Vote", "vote"]
@@ -30,7 +30,7 @@ class Vote:
         return not self.suspects
 
 
-def vote(rows: Sequence[Sequence[int]]) -> Vote:
+def vote(rows: Sequence[Sequence[Hashable]]) -> Vote:
     """Vote on rows of fingerprints.
 
     >>> vote([[1, 2], [1, 2], [1, 3]]).suspects
@@ -41,7 +41,7 @@ def vote(rows: Sequence[Sequence[int]]) -> Vote:
     if not rows:
         raise ValueError("vote needs at least one row")
     keys = [tuple(r) for r in rows]
-    groups: dict[tuple[int, ...], list[int]] = {}
+    groups: dict[tuple[Hashable, ...], list[int]] = {}
     for pos, key in enumerate(keys):
         groups.setdefault(key, []).append(pos)
     if len(groups) == 1:

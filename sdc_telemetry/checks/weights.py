@@ -1,77 +1,101 @@
 """``weights``: replicas must hold bit-identical parameters; a majority vote names the odd one out.
 
-One fingerprint pass over every parameter, one all-gather of a row of int64 per rank, one host sync.
+Healthy path: one fingerprint pass over every parameter, folded into one position-sensitive digest that travels in
+the step's status vector (replicas agree when the group's MIN and MAX digests are equal). Only when they differ is
+the per-parameter fingerprint table gathered and voted on (``decide``).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from .._collective import gather_rows
-from ..fingerprint import fingerprint
+from ..fingerprint import digest, fingerprint
 from . import Finding
+from .evidence import MAX_ITEMS, hex64, top
 from .vote import vote
 
 __all__ = ["WeightsCheck", "decide"]
 
-log = logging.getLogger("sdc_telemetry")
-
-_MAX_NAMES = 32  # evidence stays small enough for one log line and one JSONL record
-
 
 class WeightsCheck:
-    """Measures this rank's parameter fingerprints and gathers everyone's."""
+    """Measures this rank's parameter fingerprints; gathers everyone's on disagreement."""
 
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], group: dist.ProcessGroup | None,
-                 ranks: Sequence[int]) -> None:
+                 ranks: Sequence[int], classes: Sequence[int] | None = None) -> None:
         self.names = [n for n, _ in named_params]
         self._params = [p for _, p in named_params]
         self._group = group
         self._ranks = list(ranks)
+        self._classes = list(classes) if classes is not None else None
+        self.table: torch.Tensor | None = None  # (P, C) of the last measure()
 
     def measure(self) -> torch.Tensor:
-        return fingerprint(self._params).squeeze(1) if self._params else torch.zeros(0, dtype=torch.int64)
+        """This rank's fingerprint table, kept for a later ``gather``; returns its digest (0-d, on device)."""
+        self.table = fingerprint(self._params)
+        return digest(self.table)
 
-    def run(self) -> tuple[Finding | None, list[int]]:
-        """Measure, gather every rank's fingerprints and vote. Returns the finding and the ranks that could not
-        measure (a software failure is reported as such, never voted on as if it were corruption)."""
-        try:
-            fps = self.measure()
-            row = torch.cat([torch.zeros(1, dtype=torch.int64, device=fps.device), fps])
-        except Exception:  # contained and logged; the collective must still run on this rank
-            log.exception("sdc_telemetry: fingerprinting parameters failed (rank %d)", dist.get_rank())
-            row = torch.zeros(len(self._params) + 1, dtype=torch.int64)
-            row[0] = 1
-        rows = gather_rows(row, self._group)
-        failed = [self._ranks[i] for i, r in enumerate(rows) if r[0]]
-        if failed:
-            return None, failed
-        return decide([r[1:] for r in rows], self._ranks, self.names), []
+    def fingerprints(self) -> torch.Tensor:
+        """The (P, C) table of the last ``measure()``."""
+        assert self.table is not None
+        return self.table
+
+    def gather(self) -> Finding | None:
+        """Rare path (digests differ): gather every rank's table and vote, within numerics classes."""
+        assert self.table is not None
+        cols = self.table.shape[1]
+        rows = gather_rows(self.table.reshape(-1), self._group)
+        tables = [[tuple(r[i * cols:(i + 1) * cols]) for i in range(len(self.names))] for r in rows]
+        return decide(tables, self._ranks, self.names, self._classes)
 
 
-def decide(rows: Sequence[Sequence[int]], ranks: Sequence[int], names: Sequence[str]) -> Finding | None:
-    """Vote on per-rank parameter fingerprints; evidence names the parameters and fingerprints that differ."""
-    v = vote(rows)
-    if v.agreed:
+def decide(tables: Sequence[Sequence[object]], ranks: Sequence[int], names: Sequence[str],
+           classes: Sequence[int] | None = None) -> Finding | None:
+    """Vote on per-rank parameter fingerprints (``tables[i][p]``: rank position i, parameter p).
+
+    ``classes`` (numerics signatures by position): replicas on different hardware or software may legitimately
+    round differently, so only ranks of the same class are compared; a rank alone in its class is not voted on.
+    Evidence names the differing parameters and fingerprints, bounded in size at any world size.
+    """
+    groups: dict[int, list[int]] = {}
+    for pos in range(len(tables)):
+        groups.setdefault(classes[pos] if classes is not None else 0, []).append(pos)
+    suspects: list[int] = []
+    ambiguous = False
+    differing: dict[int, tuple[int, ...]] = {}
+    reference: int | None = None
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        v = vote([tables[p] for p in members])
+        if v.agreed:
+            continue
+        suspects += [members[s] for s in v.suspects]
+        ambiguous = ambiguous or v.ambiguous
+        differing.update({members[s]: cols for s, cols in v.differing.items()})
+        if v.reference is not None and reference is None:
+            reference = members[v.reference]
+    if not suspects:
         return None
-    differing: dict[str, list[str]] = {}
-    fingerprints: dict[str, dict[str, str]] = {}
-    for pos, all_cols in v.differing.items():
-        shown = all_cols[:_MAX_NAMES]
-        differing[str(ranks[pos])] = [names[c] for c in shown]
-        fingerprints[str(ranks[pos])] = {names[c]: f"{rows[pos][c] & (2**64 - 1):016x}" for c in shown}
+    suspects.sort()
+    shown = suspects[:MAX_ITEMS]
     evidence: dict[str, object] = {
-        "ambiguous": v.ambiguous,
-        "differing_parameters": differing,
-        "differing_parameter_count": {str(ranks[p]): len(c) for p, c in v.differing.items()},
-        "fingerprints": fingerprints,
+        "ambiguous": ambiguous,
+        "suspect_count": len(suspects),
+        "differing_parameters": {str(ranks[p]): [names[c] for c in differing[p][:MAX_ITEMS]] for p in shown},
+        "differing_parameter_count": {str(ranks[p]): len(differing[p]) for p in shown},
+        "fingerprints": {str(ranks[p]): top({names[c]: _hex(tables[p][c]) for c in differing[p]}) for p in shown},
     }
-    if v.reference is not None:
-        cols = sorted({c for cs in v.differing.values() for c in cs[:_MAX_NAMES]})
-        evidence["majority_rank"] = ranks[v.reference]
-        evidence["majority_fingerprints"] = {names[c]: f"{rows[v.reference][c] & (2**64 - 1):016x}" for c in cols}
-    return Finding("weights", tuple(ranks[p] for p in v.suspects), evidence)
+    if reference is not None:
+        cols = sorted({c for p in shown for c in differing[p][:MAX_ITEMS]})[:MAX_ITEMS]
+        evidence["majority_rank"] = ranks[reference]
+        evidence["majority_fingerprints"] = {names[c]: _hex(tables[reference][c]) for c in cols}
+    return Finding("weights", tuple(ranks[p] for p in suspects), evidence)
+
+
+def _hex(row: object) -> str:
+    values = row if isinstance(row, (tuple, list)) else (row,)
+    return "-".join(hex64(int(v)) for v in values)

@@ -1,0 +1,79 @@
+"""One fault, one incident: repeated findings of a check naming the same suspects update an open episode.
+
+An episode of a check stays open while each run of that check finds the same suspects (or, for a numerics event,
+non-finite values again); a run that passes closes it, and a later finding opens a new incident. Runs that could not
+reach a verdict (error, skipped) leave it as it is. Pure bookkeeping, identical on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from .checks import CHECKS, Finding
+from .identity import RankIdentity
+from .response import Incident
+
+__all__ = ["Episodes", "milestone"]
+
+log = logging.getLogger("sdc_telemetry")
+
+MAX_INCIDENTS = 1000
+
+
+def milestone(count: int) -> bool:
+    """Repeat counts worth telling again (log line, JSONL update, re-page): 10, 100, 1000, ..."""
+    return count >= 10 and str(count).rstrip("0") == "1"
+
+
+class Episodes:
+    """The open episode of each check, and the incident list they are appended to (bounded)."""
+
+    def __init__(self, incidents: list[Incident], max_incidents: int = MAX_INCIDENTS) -> None:
+        self.incidents = incidents
+        self._max = max_incidents
+        self._open: dict[str, tuple[tuple[tuple[int, ...], bool], Incident]] = {}
+        self.dropped = 0
+
+    def current(self, check: str) -> Incident | None:
+        """The open episode of ``check``, if any."""
+        entry = self._open.get(check)
+        return entry[1] if entry else None
+
+    def observe(self, step: int, findings: Sequence[Finding], results: dict[str, str],
+                identify: Callable[[tuple[int, ...]], tuple[RankIdentity, ...]]
+                ) -> tuple[list[Incident], list[Incident]]:
+        """Fold one hook point's findings in. Returns (incidents opened, episodes that reached a milestone)."""
+        opened: list[Incident] = []
+        repeated: list[Incident] = []
+        by_check = {f.check: f for f in findings}
+        for check in CHECKS:
+            finding = by_check.get(check)
+            if finding is None:
+                if results.get(check) == "pass":
+                    self._open.pop(check, None)
+                continue
+            key = (finding.suspect_ranks, finding.evidence.get("verdict") == "numerics")
+            entry = self._open.get(check)
+            if entry is not None and entry[0] == key:
+                incident = entry[1]
+                incident.count += 1
+                incident.last_step = step
+                if milestone(incident.count):
+                    repeated.append(incident)
+                continue
+            incident = Incident(step=step, check=check, suspect_ranks=finding.suspect_ranks,
+                                suspects=identify(finding.suspect_ranks), evidence=dict(finding.evidence))
+            self._open[check] = (key, incident)
+            opened.append(incident)
+            self._append(incident)
+        return opened, repeated
+
+    def _append(self, incident: Incident) -> None:
+        if len(self.incidents) >= self._max:
+            del self.incidents[0]
+            if not self.dropped:
+                log.warning("sdc_telemetry: more than %d incidents: the oldest are dropped from monitor.incidents "
+                            "(the incident log keeps them)", self._max)
+            self.dropped += 1
+        self.incidents.append(incident)
