@@ -66,7 +66,7 @@ def demo(args: argparse.Namespace) -> int:
         step_delay=args.step_delay if args.step_delay is not None else (0.25 if stack_cls else 0.0),
         serve_after=args.serve_after if args.serve_after is not None else (args.page_timeout if stack_cls else 0.0),
         stop_file=stop_file, incident_dir=args.incident_dir or tmp.name,
-        scrape_grace_s=30.0 if stack_cls else 0.0,  # nobody scrapes without Prometheus: do not wait for it
+        close_scrape_wait_s=8.0 if stack_cls else 0.0,  # nobody scrapes without Prometheus: do not wait for it
     )
     want = expected(plan)
     print(f"sdc-telemetry demo: {args.world} CPU ranks (gloo), fault={plan.fault}"

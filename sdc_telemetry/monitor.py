@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ._collective import Agreement, agree, gather_objects, gather_rows, group_ranks
+from .certificate import WeightCertificate, format_fingerprint
 from .checks import Finding
 from .checks import grad as grad_check
 from .checks.evidence import bits, unbits
@@ -202,6 +203,33 @@ class SDCMonitor:
                        weights_agree=None if result in ("error", "skipped")
                        else not (finding and self.rank in finding.suspect_ranks))
         return self._episodes.current("weights") if finding else None
+
+    def certificate(self) -> WeightCertificate:
+        """Certify the weights for a checkpoint: collective, call it on every rank (not under ``if rank == 0``).
+
+        Runs the weight check first (an incident when replicas disagree, handled like ``verify_weights()``), then
+        returns the step and every parameter's fingerprint, keyed by the unwrapped module's parameter names. When
+        the replicas disagree but a majority agrees, the certificate holds the majority's fingerprints, so that the
+        checkpoint of a corrupted rank does not verify; with no majority there is nothing to certify and
+        ``SDCDetected`` is raised whatever ``on_suspect`` says.
+
+        >>> cert = monitor.certificate()                                             # doctest: +SKIP
+        >>> torch.save({"model": model.module.state_dict(), "sdc_certificate": cert.to_dict()}, path)  # doctest: +SKIP
+        """
+        self._require_open_monitor("certificate")
+        incident = self.verify_weights()
+        named = list(self.module.named_parameters())
+        step = max(self._step, 0)
+        if incident is None or self._weights is None:
+            return WeightCertificate.from_tensors(step, named, world_size=self._world)
+        majority = self._weights.majority
+        if majority is None:
+            raise SDCDetected(incident)
+        return WeightCertificate(step=step, fingerprints={n: format_fingerprint(row)
+                                                          for (n, _), row in zip(named, majority, strict=True)},
+                                 shapes={n: tuple(p.shape) for n, p in named},
+                                 dtypes={n: str(p.dtype).removeprefix("torch.") for n, p in named},
+                                 world_size=self._world)
 
     def close(self) -> None:
         """Remove the hooks, flush a pending page (bounded), mark telemetry closed. A second call does nothing.

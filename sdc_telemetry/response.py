@@ -13,7 +13,7 @@ from typing import Any
 
 from .identity import RankIdentity
 
-__all__ = ["Incident", "SDCDetected", "IncidentLog", "INCIDENT_FILE"]
+__all__ = ["Incident", "SDCDetected", "IncidentLog", "INCIDENT_FILE", "EXIT_SDC"]
 
 log = logging.getLogger("sdc_telemetry")
 
@@ -75,8 +75,25 @@ class Incident:
         return f"SDC incident: check={self.check} step={self.step}{what} suspects{extra}: {who}"
 
 
+# The process exit code of a rank that stopped on an SDC incident (sysexits' EX_TEMPFAIL: "try again later"), so
+# that torchrun, Slurm and Kubernetes can tell a stop on purpose from a crash and restart without the node.
+EXIT_SDC = 75
+
+
 class SDCDetected(RuntimeError):
-    """Raised on every rank at the same step when ``on_suspect="raise"``; ``.incident`` says what and who."""
+    """Raised on every rank at the same step when ``on_suspect="raise"`` (at the end of the step's
+    ``with monitor.step()`` block, before ``optimizer.step()``); ``.incident`` says what and who.
+
+    Stop recipe::
+
+        try:
+            train()
+        except sdc.SDCDetected as e:
+            monitor.close()                 # returns within seconds; the page was already pushed
+            sys.exit(e.exit_code)           # sdc.EXIT_SDC (75) on every rank
+    """
+
+    exit_code = EXIT_SDC
 
     def __init__(self, incident: Incident) -> None:
         super().__init__(incident.describe())

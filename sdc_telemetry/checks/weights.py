@@ -32,6 +32,7 @@ class WeightsCheck:
         self._ranks = list(ranks)
         self._classes = list(classes) if classes is not None else None
         self.table: torch.Tensor | None = None  # (P, C) of the last measure()
+        self.majority: list[tuple[int, ...]] | None = None  # the majority's rows after a disagreement
 
     def measure(self) -> torch.Tensor:
         """This rank's fingerprint table, kept for a later ``gather``; returns its digest (0-d, on device)."""
@@ -49,7 +50,10 @@ class WeightsCheck:
         cols = self.table.shape[1]
         rows = gather_rows(self.table.reshape(-1), self._group)
         tables = [[tuple(r[i * cols:(i + 1) * cols]) for i in range(len(self.names))] for r in rows]
-        return decide(tables, self._ranks, self.names, self._classes)
+        finding = decide(tables, self._ranks, self.names, self._classes)
+        ref = finding.evidence.get("majority_rank") if finding is not None else None
+        self.majority = tables[self._ranks.index(ref)] if isinstance(ref, int) else None
+        return finding
 
 
 def decide(tables: Sequence[Sequence[object]], ranks: Sequence[int], names: Sequence[str],
