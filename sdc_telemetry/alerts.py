@@ -313,6 +313,7 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
                   f"/ sum by (service_name, check) (sdc:checks:rate{_W})"),
     RecordingRule(f"sdc:steps:rate{_W}", f"sum by ({_HOST}) (rate({_STEPS}[{_W}]))"),
     RecordingRule("sdc:ranks:count", f"count by ({_HOST}) ({_STEPS})"),
+    RecordingRule("sdc:ranks_closed:count", f"count by ({_HOST}) ({_CLOSED} == 1)"),
     RecordingRule("sdc:suspect_ranks:count", f"count by ({_HOST}, check) ({_SUSPECT} > 0)"),
     RecordingRule("sdc:incidents:max", f"max by (service_name, check) ({_INCIDENTS})"),
     RecordingRule("sdc:internal_errors:sum", f"sum by ({_HOST}, component) ({_ERRORS})"),

@@ -4,6 +4,10 @@
 checked in under ``dashboards/`` (``sdc-telemetry dashboards`` regenerates them). Uids are fixed, so links between
 the two dashboards and provisioning survive regeneration, and the output is byte-for-byte deterministic.
 
+The overview reads the ``sdc:*`` recording rules of ``sdc_telemetry.alerts`` (per host and per job) and per-rank
+series only for the suspects table and top-k panels, so that it stays fast at 16,384 ranks; the GPU dashboard is per
+GPU and filters by host and GPU first.
+
 ``panel_queries(job=..., host=..., rank=...)`` lists every panel query with the dashboard variables substituted, so a
 test can run each against a real Prometheus.
 
@@ -39,7 +43,7 @@ from grafanalib.core import (
     TimeSeries,
 )
 
-from .alerts import checks_stalled_expr
+from .alerts import RECORDING_RULES
 from .metrics import GPU, Family, family
 
 __all__ = ["OVERVIEW_UID", "GPU_UID", "PanelQuery", "dashboards", "dashboard_json", "panel_queries", "generate"]
@@ -54,28 +58,50 @@ LOG_FLOOR = "1e-12"
 DEFAULT_TOLERANCE = "1e-5"  # the replay check's auto-tolerance floor; set the variable to the job's SDCConfig.tolerance
 
 _STEPS = family("sdc_steps_total").name
-_CHECKS = family("sdc_checks_total").name
-_DURATION = family("sdc_check_duration_seconds").name
-_LAST_RUN = family("sdc_check_last_run_timestamp_seconds").name
-_NONFINITE = family("sdc_grad_nonfinite_total").name
 _NORM = family("sdc_grad_norm").name
 _LOSS_DELTA = family("sdc_replay_loss_delta").name
 _GRAD_DELTA = family("sdc_replay_grad_delta").name
-_REPLAY_MISMATCHES = family("sdc_replay_mismatches_total").name
-_AGREEMENT = family("sdc_weight_fingerprint_agreement").name
-_WEIGHT_MISMATCHES = family("sdc_weight_fingerprint_mismatches_total").name
 _SUSPECT = family("sdc_suspect").name
-_INCIDENTS = family("sdc_incidents_total").name
-_ERRORS = family("sdc_internal_errors_total").name
 _TEMPERATURE = family("hw_temperature_celsius").name
 _POWER = family("hw_power_watts").name
 _ECC = family("hw_errors_total").name
 _XID = family("gpu_xid_errors_total").name
 _UTILIZATION = family("hw_gpu_utilization").name
 
+_RECORDED = {r.record for r in RECORDING_RULES}
+
+
+def _recorded(name: str) -> str:
+    """A recording rule of ``sdc_telemetry.alerts`` by name; ``KeyError`` if the rule file has no such rule."""
+    if name not in _RECORDED:
+        raise KeyError(f"no recording rule {name!r} in sdc_telemetry.alerts")
+    return name
+
+
+# The overview reads these per-host/per-job rollups, so it stays fast at 16,384 ranks.
+_CHECKS_R = _recorded("sdc:checks:rate5m")
+_COVERAGE_R = _recorded("sdc:checks:coverage5m")
+_STEPS_R = _recorded("sdc:steps:rate5m")
+_RANKS_R = _recorded("sdc:ranks:count")
+_CLOSED_R = _recorded("sdc:ranks_closed:count")
+_SUSPECTS_R = _recorded("sdc:suspect_ranks:count")
+_INCIDENTS_R = _recorded("sdc:incidents:max")
+_ERRORS_R = _recorded("sdc:internal_errors:sum")
+_NONFINITE_R = _recorded("sdc:grad_nonfinite:max")
+_REPLAY_MISMATCHES_R = _recorded("sdc:replay_mismatches:sum")
+_AGREEMENT_R = _recorded("sdc:weight_fingerprint_agreement:min")
+_WEIGHT_MISMATCHES_R = _recorded("sdc:weight_fingerprint_mismatches:sum")
+_DURATION_R = _recorded("sdc:check_duration_seconds_bucket:rate5m")
+_DURATION_SUM_R = _recorded("sdc:check_duration_seconds_sum:rate5m")
+_AGE_R = _recorded("sdc:check_last_run_age_seconds:max")
+_STALLED_R = _recorded("sdc:checks_stalled:count")
+# Per-rank panels show only this many ranks (or hosts): the interesting extremes, not 16,384 lines.
+TOP_K = 10
+
 _UNITS = {"1": "short", "s": "s", "W": "watt", "Cel": "celsius", "By": "bytes", "Hz": "hertz"}
 
 JOB = 'service_name=~"$job"'
+HOSTS = f'{JOB}, host_name=~"$host"'
 RANKS = f'{JOB}, host_name=~"$host", rank=~"$rank"'
 GPUS = 'host_name=~"$host", hw_id=~"$gpu"'
 RANK_ID = "service_name, host_name, rank, hw_id"
@@ -163,91 +189,100 @@ def _overview() -> Dashboard:
                                                                    "${__data.fields.host_name}",
                                                                    "${__data.fields.hw_id}")]}}},
     )
-    by_rank_phase = "host_name, rank, phase"
     tolerance = [_t("vector($tolerance)", "tolerance", "B")]
     dashed_red = [{"matcher": {"id": "byName", "options": "tolerance"},
                    "properties": [{"id": "custom.lineStyle", "value": {"dash": [10, 10], "fill": "dash"}},
                                   {"id": "color", "value": {"fixedColor": "red", "mode": "fixed"}}]}]
-    replay_sel = f'{JOB}, origin_rank=~"$rank"'
+    top = f"topk({TOP_K}, "
     panels: list[Any] = [
         _row("Now", 0),
-        _stat("Open incidents", f"sum(max by (service_name, check) ({_INCIDENTS}{{{JOB}}})) or vector(0)", 0,
+        _stat("Open incidents", f"sum({_INCIDENTS_R}{{{JOB}}}) or vector(0)", 0,
               "Incidents decided by the running job(s), all checks (every rank counts each one; max over ranks)."),
-        _stat("Current suspects", f"count(max by ({RANK_ID}) ({_SUSPECT}{{{RANKS}}}) == 1) or vector(0)", 4,
-              "Ranks a check has named (latched until the process ends)."),
-        _stat("Checks stalled", f"count(\n{checks_stalled_expr(RANKS)}\n) or vector(0)", 8,
+        _stat("Current suspects", f"sum({_SUSPECTS_R}{{{HOSTS}}}) or vector(0)", 4,
+              "Suspect ranks, counted once per check that named them (sdc_suspect latches until the process ends)."),
+        _stat("Checks stalled", f"sum({_STALLED_R}{{{HOSTS}}}) or vector(0)", 8,
               "Rank x check pairs whose last run is too old while steps advance (the SDCChecksStalled condition)."),
-        _stat("Ranks reporting", f"count(max by (service_name, rank) ({_STEPS}{{{RANKS}}})) or vector(0)", 12,
-              "Ranks whose metrics Prometheus scrapes now.", red_at=1e9),
-        _stat("Steps / s", f"avg(rate({_STEPS}{{{RANKS}}}[$__rate_interval])) or vector(0)", 16,
+        Stat(title="Ranks reporting", dataSource=DS, gridPos=_pos(12, 1, 4, 4), reduceCalc="lastNotNull",
+             graphMode="none", colorMode="value", format="none", noValue="0", thresholds=_green_red(1e9),
+             description="Ranks whose metrics Prometheus scrapes now; 'ended' counts those whose monitor closed "
+                         "cleanly (sdc_monitor_closed 1).",
+             targets=[_t(f"sum({_RANKS_R}{{{HOSTS}}}) or vector(0)", "reporting"),
+                      _t(f"sum({_CLOSED_R}{{{HOSTS}}}) or vector(0)", "ended", "B")]),
+        _stat("Steps / s", f"sum({_STEPS_R}{{{HOSTS}}}) / sum({_RANKS_R}{{{HOSTS}}}) or vector(0)", 16,
               "Optimizer steps per second, averaged over ranks.", red_at=1e9),
-        _stat("Monitor errors", f"sum({_ERRORS}{{{RANKS}}}) or vector(0)", 20,
+        _stat("Monitor errors", f"sum({_ERRORS_R}{{{HOSTS}}}) or vector(0)", 20,
               "Contained failures of the monitor (exporter, NVML, replay...): the checks may be blind."),
         suspects,
-        _row("Gradient health", 11),
-        _series("Gradient norm per rank and phase",
-                [_t(f"max by ({by_rank_phase}) ({_NORM}{{{RANKS}}})", "{{host_name}} rank {{rank}} {{phase}}")],
-                _pos(0, 12, 12, 8), "L2 norm of each rank's gradients before (local) and after (reduced) the "
-                "all-reduce. NaN/Inf leave gaps.", scaleDistributionType="log", scaleDistributionLog=10),
-        _series("Non-finite gradient steps per rank and phase",
-                [_t(f"max by ({by_rank_phase}) ({_NONFINITE}{{{RANKS}}})\nor\n"
-                    f"group by ({by_rank_phase}) ({_NORM}{{{RANKS}}}) * 0",
-                    "{{host_name}} rank {{rank}} {{phase}}")],
-                _pos(12, 12, 12, 8), "Cumulative steps with NaN/Inf gradients. A local one names the source rank; "
-                "reduced ones on every rank follow from it.", thresholds=_green_red(), thresholdsStyleMode="line"),
-        _row("Replay (recompute a partner's micro-batch)", 20),
-        _series("Replay loss delta per origin rank",
-                [_t(f"clamp_min(max by (origin_rank, rank) ({_LOSS_DELTA}{{{replay_sel}}}), {LOG_FLOOR})",
-                    "origin {{origin_rank}} replayed by {{rank}}"), *tolerance],
-                _pos(0, 21, 8, 8), "Relative loss difference when a rank recomputed origin_rank's micro-batch. Exact "
-                f"matches are drawn at {LOG_FLOOR}; the dashed line is the $tolerance variable.",
-                scaleDistributionType="log", scaleDistributionLog=10, overrides=dashed_red),
-        _series("Replay gradient delta per origin rank",
-                [_t(f"clamp_min(max by (origin_rank, rank) ({_GRAD_DELTA}{{{replay_sel}}}), {LOG_FLOOR})",
-                    "origin {{origin_rank}} replayed by {{rank}}"), *tolerance],
-                _pos(8, 21, 8, 8), "Relative gradient-sketch difference of the replay; same scale and floor.",
-                scaleDistributionType="log", scaleDistributionLog=10, overrides=dashed_red),
-        _series("Replay mismatches per origin rank",
-                [_t(f"sum by (origin_rank) ({_REPLAY_MISMATCHES}{{{replay_sel}}})", "origin {{origin_rank}}")],
-                _pos(16, 21, 8, 8), "Cumulative replays of origin_rank's micro-batches that did not match.",
+        _row("Coverage and verdicts (rolled up per host)", 11),
+        _series("Check coverage (ran / due)",
+                [_t(f"min by (check) ({_COVERAGE_R}{{{JOB}}})", "{{check}}")],
+                _pos(0, 12, 8, 8), "Share of the due runs of each check that reached a verdict (pass or fail) "
+                "rather than error or skipped, over 5 minutes. Below 100% the check is partly blind; "
+                "SDCCheckFailing warns when a rank has no verdict for 30 minutes.", unit="percentunit",
+                thresholds=[{"color": "red", "value": None}, {"color": "green", "value": 0.99}],
+                thresholdsStyleMode="line"),
+        _series("Check runs per minute by result",
+                [_t(f"60 * sum by (check, result) ({_CHECKS_R}{{{HOSTS}}})", "{{check}} {{result}}")],
+                _pos(8, 12, 8, 8), "Check outcomes per minute over the selected hosts; fail is drawn in red.",
+                overrides=[{"matcher": {"id": "byRegexp", "options": ".* fail"},
+                            "properties": [{"id": "color", "value": {"fixedColor": "red", "mode": "fixed"}}]}]),
+        _series(f"Non-finite gradient steps, top {TOP_K} hosts",
+                [_t(f"{top}max by (host_name, phase) ({_NONFINITE_R}{{{HOSTS}}}))", "{{host_name}} {{phase}}")],
+                _pos(16, 12, 8, 8), "Most steps with NaN/Inf gradients on any rank of a host (cumulative). On every "
+                "host at once: numerics (SDCTrainingNonFinite). On one: see the suspects.",
                 thresholds=_green_red(), thresholdsStyleMode="line"),
-        _row("Weights", 29),
-        StateTimeline(title="Weight-fingerprint agreement per rank", dataSource=DS, gridPos=_pos(0, 30, 12, 8),
-                      description="1: the rank's weights equal the replicas' majority; 0: they differ.",
-                      targets=[_t(f"min by (host_name, rank) ({_AGREEMENT}{{{RANKS}}})",
-                                  "{{host_name}} rank {{rank}}")],
+        _row(f"Per rank: the {TOP_K} most extreme", 20),
+        _series(f"Gradient norm, top {TOP_K} ranks",
+                [_t(f"{top}max by (host_name, rank, phase) ({_NORM}{{{RANKS}}}))",
+                    "{{host_name}} rank {{rank}} {{phase}}")],
+                _pos(0, 21, 8, 8), "L2 norm of the gradients before (local) and after (reduced) the all-reduce, "
+                "largest ranks. +Inf: NaN or Inf.", scaleDistributionType="log", scaleDistributionLog=10),
+        _series(f"Replay loss delta, top {TOP_K} ranks",
+                [_t(f"{top}clamp_min(max by (host_name, rank) ({_LOSS_DELTA}{{{RANKS}}}), {LOG_FLOOR}))",
+                    "{{host_name}} rank {{rank}}"), *tolerance],
+                _pos(8, 21, 8, 8), "Relative loss difference of each rank's last replay of its partner's "
+                f"micro-batches, largest ranks. Exact matches are drawn at {LOG_FLOOR}; the dashed line is the "
+                "$tolerance variable.", scaleDistributionType="log", scaleDistributionLog=10, overrides=dashed_red),
+        _series(f"Replay gradient delta, top {TOP_K} ranks",
+                [_t(f"{top}clamp_min(max by (host_name, rank) ({_GRAD_DELTA}{{{RANKS}}}), {LOG_FLOOR}))",
+                    "{{host_name}} rank {{rank}}"), *tolerance],
+                _pos(16, 21, 8, 8), "Relative gradient-sketch difference of the replay; same scale and floor.",
+                scaleDistributionType="log", scaleDistributionLog=10, overrides=dashed_red),
+        _row("Weights and replay (rolled up per host)", 29),
+        StateTimeline(title=f"Weight-fingerprint agreement, {TOP_K} lowest hosts", dataSource=DS,
+                      gridPos=_pos(0, 30, 8, 8),
+                      description="1: every rank of the host holds the replicas' majority weights; 0: one differs.",
+                      targets=[_t(f"bottomk({TOP_K}, min by (host_name) ({_AGREEMENT_R}{{{HOSTS}}}))",
+                                  "{{host_name}}")],
                       mappings=[{"type": "value", "options": {
                           "0": {"text": "DIFFERS", "color": "red", "index": 0},
                           "1": {"text": "agrees", "color": "green", "index": 1}}}],
                       thresholds=[{"color": "red", "value": None}, {"color": "green", "value": 1}]),
-        _series("Weight-fingerprint mismatches per rank",
-                [_t(f"max by (host_name, rank) ({_WEIGHT_MISMATCHES}{{{RANKS}}})", "{{host_name}} rank {{rank}}")],
-                _pos(12, 30, 12, 8), "Cumulative weight checks in which the rank disagreed with the majority.",
-                thresholds=_green_red(), thresholdsStyleMode="line"),
+        _series(f"Weight-fingerprint mismatches, top {TOP_K} hosts",
+                [_t(f"{top}sum by (host_name) ({_WEIGHT_MISMATCHES_R}{{{HOSTS}}}))", "{{host_name}}")],
+                _pos(8, 30, 8, 8), "Cumulative weight checks in which a rank of the host disagreed with the "
+                "majority.", thresholds=_green_red(), thresholdsStyleMode="line"),
+        _series(f"Replay mismatches, top {TOP_K} hosts",
+                [_t(f"{top}sum by (host_name) ({_REPLAY_MISMATCHES_R}{{{HOSTS}}}))", "{{host_name}}")],
+                _pos(16, 30, 8, 8), "Cumulative replay audits of the host's ranks whose recomputation did not "
+                "match.", thresholds=_green_red(), thresholdsStyleMode="line"),
         _row("Checks: cadence and overhead", 38),
         _series("Check duration p99",
-                [_t(f"histogram_quantile(0.99, sum by (le, check) "
-                    f"(rate({_DURATION}_bucket{{{RANKS}}}[$__rate_interval])))", "{{check}}")],
+                [_t(f"histogram_quantile(0.99, sum by (le, check) ({_DURATION_R}{{{JOB}}}))", "{{check}}")],
                 _pos(0, 39, 8, 8), "99th percentile wall time of one check on one rank.", unit="s"),
         _series("Check time per step",
-                [_t(f"sum by (check) (rate({_DURATION}_sum{{{RANKS}}}[$__rate_interval]))\n/ ignoring (check) "
-                    f"group_left\nsum(rate({_STEPS}{{{RANKS}}}[$__rate_interval]))", "{{check}}")],
+                [_t(f"sum by (check) ({_DURATION_SUM_R}{{{HOSTS}}})\n/ ignoring (check) group_left\n"
+                    f"sum({_STEPS_R}{{{HOSTS}}})", "{{check}}")],
                 _pos(8, 39, 8, 8), "Seconds each check adds to an optimizer step (averaged over ranks).", unit="s"),
-        _series("Check overhead per rank",
-                [_t(f"sum by (host_name, rank) (rate({_DURATION}_sum{{{RANKS}}}[$__rate_interval]))",
-                    "{{host_name}} rank {{rank}}")],
-                _pos(16, 39, 8, 8), "Share of wall time each rank spends in the checks.", unit="percentunit"),
-        _series("Check runs per minute by result",
-                [_t(f"60 * sum by (check, result) (rate({_CHECKS}{{{RANKS}}}[$__rate_interval]))",
-                    "{{check}} {{result}}")],
-                _pos(0, 47, 12, 8), "Verdicts per minute over the selected ranks; fail is drawn in red.",
-                overrides=[{"matcher": {"id": "byRegexp", "options": ".* fail"},
-                            "properties": [{"id": "color", "value": {"fixedColor": "red", "mode": "fixed"}}]}]),
-        _series("Time since each check last ran",
-                [_t(f"time() - max by (host_name, rank, check) ({_LAST_RUN}{{{RANKS}}})",
-                    "{{host_name}} rank {{rank}} {{check}}")],
-                _pos(12, 47, 12, 8), "Age of each check's last run; SDCChecksStalled warns when it grows while steps "
-                "advance.", unit="s"),
+        _series(f"Check overhead, top {TOP_K} hosts",
+                [_t(f"{top}sum by (host_name) ({_DURATION_SUM_R}{{{HOSTS}}})\n/ on (host_name)\n"
+                    f"sum by (host_name) ({_RANKS_R}{{{HOSTS}}}))", "{{host_name}}")],
+                _pos(16, 39, 8, 8), "Share of wall time a host's ranks spend in the checks (average per rank).",
+                unit="percentunit"),
+        _series(f"Time since each check last ran, top {TOP_K} hosts",
+                [_t(f"{top}max by (host_name, check) ({_AGE_R}{{{HOSTS}}}))", "{{host_name}} {{check}}")],
+                _pos(0, 47, 24, 8), "Age of each check's last run on the host's slowest rank; SDCChecksStalled "
+                "warns when it grows while steps advance.", unit="s"),
     ]
     templating = [*_job_host(),
                   _variable("rank", "Rank", f'label_values({_STEPS}{{{JOB}, host_name=~"$host"}}, rank)', numeric=True),
@@ -255,7 +290,9 @@ def _overview() -> Dashboard:
                            default=DEFAULT_TOLERANCE)]
     return Dashboard(
         title="SDC overview", uid=OVERVIEW_UID, tags=["sdc"], timezone="browser", refresh="10s",
-        description="Silent data corruption checks of data-parallel training: suspects, gradients, replay, weights.",
+        description="Silent data corruption checks of data-parallel training: suspects, coverage, gradients, replay, "
+                    "weights. Reads the sdc:* recording rules (per host and job), per-rank series only for the "
+                    "suspects and the top ranks.",
         time=Time("now-1h", "now"), schemaVersion=SCHEMA_VERSION, panels=panels,
         templating=Templating(list=templating),
         links=[DashboardLink(title="GPU health", type="link", uri=f"/d/{GPU_UID}/gpu-health", includeVars=True,

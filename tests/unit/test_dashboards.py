@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from sdc_telemetry import dashboards
+from sdc_telemetry import alerts, dashboards
 from sdc_telemetry.metrics import FAMILIES, GPU, IDENTITY_LABELS, SDC
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,18 +77,47 @@ def test_layout_fits_the_grid_without_overlaps() -> None:
                     cells[(x, y)] = p["title"]
 
 
+def _recording_rules() -> dict[str, str]:
+    return {r.record: r.expr for r in alerts.RECORDING_RULES}
+
+
 def test_metric_names_come_from_the_table_and_every_family_is_shown() -> None:
-    """Each metric a query reads is a table family (histograms with their suffixes); every family has a panel."""
+    """Each metric a query reads is a table family (histograms with their suffixes) or a recording rule; every family
+    is shown, directly or through a rollup the dashboards read."""
     names = {f.name for f in FAMILIES}
     histograms = {f.name for f in FAMILIES if f.kind == "histogram"}
     labels = set(IDENTITY_LABELS) | {label for f in FAMILIES for label in f.labels}
+    records = _recording_rules()
     used: set[str] = set()
     for uid in dashboards.FILES:
-        for word in set(re.findall(r"\b((?:sdc|hw|gpu)_[a-z_]+)\b", _exprs(_load(uid)))) - labels:
+        exprs = _exprs(_load(uid))
+        for record in re.findall(r"\b(sdc:[a-z_:0-9]+)", exprs):
+            assert record in records, record
+            exprs += "\n" + records[record]
+        for word in set(re.findall(r"\b((?:sdc|hw|gpu)_[a-z_]+)\b", exprs)) - labels:
             base = re.sub(r"_(bucket|sum|count)$", "", word) if word not in names else word
             assert word in names or base in histograms, word
             used.add(base)
     assert used == names
+
+
+def test_overview_reads_rollups_and_per_rank_series_only_for_suspects_and_top_k() -> None:
+    """Every overview query reads an sdc:* rollup, except the suspects table and panels limited to the top k."""
+    for p in _panels(_load(dashboards.OVERVIEW_UID)):
+        for t in p["targets"]:
+            if "$tolerance" in t["expr"]:
+                continue
+            per_rank = re.search(r"\bsdc_[a-z_]+\{", t["expr"])
+            assert not per_rank or p["title"].startswith("Suspects") or \
+                t["expr"].startswith(("topk(", "bottomk(")), (p["title"], t["expr"])
+
+
+def test_coverage_panel_shows_ran_over_due_per_check() -> None:
+    """The coverage panel plots, per check, the rollup of (pass + fail) over all results."""
+    panel = next(p for p in _panels(_load(dashboards.OVERVIEW_UID)) if p["title"].startswith("Check coverage"))
+    assert "by (check)" in panel["targets"][0]["expr"] and "sdc:checks:coverage5m" in panel["targets"][0]["expr"]
+    coverage = _recording_rules()["sdc:checks:coverage5m"]
+    assert 'result=~"pass|fail"' in coverage and panel["fieldConfig"]["defaults"]["unit"] == "percentunit"
 
 
 def test_top_row_reads_in_two_seconds() -> None:
@@ -112,13 +141,13 @@ def test_suspects_table_links_to_the_gpu_view() -> None:
 
 
 def test_replay_panels_use_a_log_scale_and_draw_the_tolerance() -> None:
-    """Replay delta panels are per origin rank, on a log axis, with the tolerance series."""
+    """Replay delta panels show the top ranks on a log axis, with the tolerance series."""
     panels = [p for p in _panels(_load(dashboards.OVERVIEW_UID)) if p["title"].startswith("Replay") and "delta"
               in p["title"]]
     assert len(panels) == 2
     for p in panels:
         assert p["fieldConfig"]["defaults"]["custom"]["scaleDistribution"] == {"type": "log", "log": 10}
-        assert any("origin_rank" in t["expr"] for t in p["targets"])
+        assert p["targets"][0]["expr"].startswith(f"topk({dashboards.TOP_K}, clamp_min(max by (host_name, rank)")
         assert any(t["legendFormat"] == "tolerance" and "$tolerance" in t["expr"] for t in p["targets"])
 
 
@@ -132,13 +161,15 @@ def test_gpu_dashboard_shows_every_nvml_family_and_joins_on_host_and_gpu() -> No
     assert any(p["title"].startswith("Suspect GPUs") for p in _panels(gpu))
 
 
-def test_gradient_and_weight_panels_are_per_rank() -> None:
-    """Gradient health is per rank and phase; weight agreement is per rank over time."""
+def test_gradient_panel_is_top_k_ranks_and_weights_are_per_host() -> None:
+    """Gradient norms: the top k ranks per phase; weight agreement: the k lowest hosts over time."""
     panels = {p["title"]: p for p in _panels(_load(dashboards.OVERVIEW_UID))}
-    for title in ("Gradient norm per rank and phase", "Non-finite gradient steps per rank and phase"):
-        assert "by (host_name, rank, phase)" in panels[title]["targets"][0]["expr"]
-    agreement = panels["Weight-fingerprint agreement per rank"]
-    assert agreement["type"] == "state-timeline" and "by (host_name, rank)" in agreement["targets"][0]["expr"]
+    k = dashboards.TOP_K
+    assert panels[f"Gradient norm, top {k} ranks"]["targets"][0]["expr"].startswith(
+        f"topk({k}, max by (host_name, rank, phase)")
+    agreement = panels[f"Weight-fingerprint agreement, {k} lowest hosts"]
+    assert agreement["type"] == "state-timeline"
+    assert agreement["targets"][0]["expr"].startswith(f"bottomk({k}, min by (host_name) (sdc:")
 
 
 def test_panel_queries_substitute_every_variable() -> None:
@@ -155,10 +186,3 @@ def test_panel_queries_refuse_an_unknown_variable() -> None:
     doc = {"title": "x", "panels": [{"title": "p", "targets": [{"refId": "A", "expr": "up{a=~\"$nope\"}"}]}]}
     with pytest.raises(ValueError, match="unsubstituted"):
         dashboards.panel_queries(docs=[doc])
-
-
-def test_sdc_families_cover_the_table() -> None:
-    """The SDC part of the table is what the overview dashboard reads (nothing exported goes unseen)."""
-    exprs = _exprs(_load(dashboards.OVERVIEW_UID))
-    for f in SDC:
-        assert f.name in exprs, f.name
