@@ -6,7 +6,6 @@ import importlib.util
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -47,7 +46,7 @@ def _mounts(service: dict[str, Any]) -> dict[str, str]:
 def test_compose_has_the_stack_services() -> None:
     """Prometheus, Alertmanager, Grafana, the demo trainer and the webhook sink are services."""
     services = _compose()["services"]
-    assert set(services) >= {"prometheus", "alertmanager", "grafana", "trainer", "webhook-sink"}
+    assert set(services) >= {"prometheus", "alertmanager", "grafana", "trainer", "webhook-sink", "sdc-responder"}
     build = services["trainer"]["build"]
     assert (ROOT / build["context"] / build["dockerfile"]).is_file()
 
@@ -93,13 +92,19 @@ def test_promtool_check_config(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_alertmanager_webhooks_reach_the_sink_service() -> None:
-    """The checked-in Alertmanager config posts to the compose webhook-sink service on the port it listens on."""
-    sink = _compose()["services"]["webhook-sink"]
+def test_alertmanager_webhooks_reach_the_sink_and_responder_services() -> None:
+    """The checked-in Alertmanager config posts pages and tickets to the compose webhook-sink, and critical SDC alerts
+    to the sdc-responder service running `sdc-telemetry respond` on the port it listens on."""
+    services = _compose()["services"]
+    sink = services["webhook-sink"]
     port = sink["command"][sink["command"].index("--port") + 1]
     doc = yaml.safe_load((ROOT / "alerts" / alerts.ALERTMANAGER_FILE).read_text())
-    for r in doc["receivers"]:
-        assert r["webhook_configs"][0]["url"].startswith(f"http://webhook-sink:{port}/")
+    urls = {r["name"]: r["webhook_configs"][0]["url"] for r in doc["receivers"]}
+    assert urls.pop("responder") == "http://sdc-responder:9095/alerts"
+    for url in urls.values():
+        assert url.startswith(f"http://webhook-sink:{port}/")
+    responder = services["sdc-responder"]["command"]
+    assert responder[:4] == ["sdc-telemetry", "respond", "--listen", "0.0.0.0:9095"] and "--command" in responder
 
 
 def test_grafana_provisioning_points_at_prometheus_and_the_dashboards() -> None:
@@ -151,6 +156,8 @@ def test_docker_compose_config_validates() -> None:
     cli = _compose_cli()
     if cli is None:
         pytest.skip("neither `docker compose` nor docker-compose is installed")
+    # Without our PYTHONPATH: the legacy docker-compose is a Python program and must not import this interpreter's
+    # standard library (its _ssl fails to load under another Python).
     out = subprocess.run([*cli, "-f", str(COMPOSE), "config", "--quiet"], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+                         timeout=120, cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert out.returncode == 0, out.stdout + out.stderr
