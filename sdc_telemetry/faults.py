@@ -11,6 +11,8 @@ What each fault does and when:
 - ``flip_weight_bit``: XOR bit ``bit`` of element ``index`` (row-major) of parameter ``param`` on ``rank``, just
   before step ``step``'s first forward pass (memory corruption between steps). With ``weights_every=1`` the weight
   check of that same step sees it. Bits 0-22 of an fp32 element are mantissa bits (always finite).
+- ``swap_rows``: exchange rows ``i`` and ``j`` of parameter ``param`` on ``rank`` before step ``step``'s first forward
+  pass (a wrong-address read or write: every value stays plausible, only positions change).
 - ``nonfinite_grad``: replace element ``index`` (default: all) of ``param``'s local gradient on ``rank`` with
   ``value`` (NaN or Inf) in every backward pass of step ``step``, before DDP copies it into a bucket.
 - ``perturb_output``: from step ``step`` on (``steps=None``) or for ``steps`` steps, multiply ``module``'s output by
@@ -30,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["FaultInjector", "flip_bit"]
+__all__ = ["FaultInjector", "flip_bit", "swap_rows"]
 
 
 def flip_bit(tensor: torch.Tensor, index: int, bit: int) -> None:
@@ -45,6 +47,16 @@ def flip_bit(tensor: torch.Tensor, index: int, bit: int) -> None:
         flat = tensor.detach().view(-1).view(ints)
         mask = -(1 << bit) if bit == width - 1 and ints is not torch.uint8 else (1 << bit)
         flat[index] ^= mask
+
+
+def swap_rows(tensor: torch.Tensor, i: int, j: int) -> None:
+    """Exchange rows ``i`` and ``j`` (along the first dimension) of ``tensor`` in place."""
+    if tensor.dim() == 0 or not (0 <= i < tensor.shape[0] and 0 <= j < tensor.shape[0]) or i == j:
+        raise ValueError(f"rows {i} and {j} must be two distinct rows of a tensor of shape {tuple(tensor.shape)}")
+    with torch.no_grad():
+        row = tensor.detach()[i].clone()
+        tensor.detach()[i] = tensor.detach()[j]
+        tensor.detach()[j] = row
 
 
 class FaultInjector:
@@ -91,6 +103,22 @@ class FaultInjector:
                 done = True
                 flip_bit(target.data, index, bit)
                 self.fired.append(f"weight bit {bit} of {param}[{index}] at step {step}")
+
+        self._handles.append(self.model.register_forward_pre_hook(pre_forward))
+
+    def swap_rows(self, *, rank: int, step: int, param: str | None = None, rows: tuple[int, int] = (0, 1)) -> None:
+        target = self._param(param)
+        i, j = rows
+        if target.dim() == 0 or not (0 <= i < target.shape[0] and 0 <= j < target.shape[0]) or i == j:
+            raise ValueError(f"rows {rows} are not two distinct rows of {param} {tuple(target.shape)}")
+        done = False
+
+        def pre_forward(*_: Any) -> None:
+            nonlocal done
+            if not done and self.rank == rank and self.step == step:
+                done = True
+                swap_rows(target.data, i, j)
+                self.fired.append(f"rows {i} and {j} of {param} swapped at step {step}")
 
         self._handles.append(self.model.register_forward_pre_hook(pre_forward))
 

@@ -332,7 +332,9 @@ class SDCMonitor:
             if finding is not None:
                 findings.append(finding)
         durations = {c: durations["grad"] if c.startswith("grad") else durations[c] for c in results}
-        self._conclude(step, findings, results, durations, replay=replay, weights_agree=weights_agree)
+        errors = ("replay",) if results.get("replay") == "error" else ()
+        self._conclude(step, findings, results, durations, replay=replay, weights_agree=weights_agree,
+                       errors=errors)
 
     # -- measuring -----------------------------------------------------------------------------------------------
 

@@ -7,7 +7,9 @@ several scenarios in a row on the same process group, each with a fresh model, D
 from __future__ import annotations
 
 import contextlib
+import os
 import time
+from collections import OrderedDict, namedtuple
 from typing import Any
 
 import torch
@@ -16,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import sdc_telemetry as sdc
+import sdc_telemetry.faults
 from sdc_telemetry.faults import FaultInjector
 
 
@@ -35,6 +38,43 @@ class Net(nn.Module):
 
 def loss_fn(module: nn.Module, batch: Any) -> torch.Tensor:
     return nn.functional.cross_entropy(module(batch["x"]), batch["y"])
+
+
+Pair = namedtuple("Pair", ["x", "y"])
+
+
+def tuple_loss_fn(module: nn.Module, batch: Any) -> torch.Tensor:
+    """A namedtuple batch whose fields the loss reads by name (the replayer must rebuild the namedtuple)."""
+    return nn.functional.cross_entropy(module(batch.x), batch.y)
+
+
+def broken_loss_fn(module: nn.Module, batch: Any) -> torch.Tensor:
+    """A loss that only works inside the training wrapper (a common mistake): every replay fails."""
+    if not isinstance(module, DistributedDataParallel):
+        raise RuntimeError("this loss expects the DDP wrapper")
+    return loss_fn(module, batch)
+
+
+class Recorder(sdc.Observer):
+    """Keeps every StepReport: what ran, with which result, on this rank."""
+
+    def __init__(self) -> None:
+        self.reports: list[sdc.StepReport] = []
+        self.errors: list[str] = []
+
+    def report(self, report: sdc.StepReport) -> None:
+        self.reports.append(report)
+
+    def internal_error(self, component: str) -> None:
+        self.errors.append(component)
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for r in self.reports:
+            for check, result in r.results.items():
+                out.setdefault(check, {}).setdefault(result, 0)
+                out[check][result] += 1
+        return out
 
 
 def _plan(faults: FaultInjector, fault: dict[str, Any] | None) -> None:
@@ -71,13 +111,23 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     snapshots: list[dict[str, Any]] = []
     undisturbed: list[bool] = []
-    if sc.get("watch_state"):  # registered around the monitor's hooks: what its pre-step work changes
+    if sc.get("watch_state"):  # before the update: what the monitor's work at the end of the step changed
         opt.register_step_pre_hook(lambda *_: snapshots.append(_state(net)))
-    faults = FaultInjector(ddp, opt)
+    start_step = sc.get("start_step", 0)
+    faults = FaultInjector(ddp, opt, start_step=start_step)
     _plan(faults, sc.get("fault"))
     config = sdc.SDCConfig(**{"metrics_port": None, "nvml": False, **sc.get("config", {})})
-    monitor = sdc.SDCMonitor(ddp, opt, loss_fn=loss_fn if config.replay_every else None, config=config,
-                             comm_hook=faults.comm_hook)
+    if sc.get("signature_by_rank"):
+        os.environ["SDC_NUMERICS_SIGNATURE"] = f"stack-{rank % 2}"
+    recorder = Recorder() if not sc.get("telemetry") else None
+    chosen_loss = {"broken": broken_loss_fn, "tuple": tuple_loss_fn}.get(sc.get("loss", ""), loss_fn)
+    try:
+        monitor = sdc.SDCMonitor(ddp, opt, loss_fn=chosen_loss if config.replay_every else None, config=config,
+                                 comm_hook=faults.comm_hook, start_step=start_step, observer=recorder)
+    except ValueError as e:
+        return {"error": str(e)}
+    finally:
+        os.environ.pop("SDC_NUMERICS_SIGNATURE", None)
     if sc.get("watch_state"):
         opt.register_step_pre_hook(lambda *_: undisturbed.append(_same_state(snapshots[-1], _state(net))))
     if sc.get("bad_batch"):
@@ -89,43 +139,83 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
         finally:
             monitor.close()
         return {"error": None}
+    if sc.get("nested"):
+        try:
+            with monitor.step(), monitor.step():
+                pass
+        except RuntimeError as e:
+            return {"error": str(e)}
+        finally:
+            monitor.close()
+        return {"error": None}
     gen = torch.Generator().manual_seed(1000 + rank)
-    raised_at, raised_after_s = None, None
+    raised_at, raised_after_s, closed_after_s = None, None, None
     accumulate = sc.get("accumulate", 1)
     no_sync = sc.get("no_sync", True)
     autocast = sc.get("autocast", False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if sc.get("scaler") else None
+    verified: list[Any] = []
     start = time.monotonic()
     try:
-        for _ in range(sc.get("steps", 8)):
+        for k in range(start_step, start_step + sc.get("steps", 8)):
             micro = [{"x": torch.randn(8, 16, generator=gen), "y": torch.randint(0, 4, (8,), generator=gen)}
                      for _ in range(accumulate)]
+            if sc.get("nan_all_step") == k:  # a bad batch on every rank: numerics, not hardware
+                for mb in micro:
+                    mb["x"][0, 0] = float("nan")
+            if sc.get("batch_type") == "namedtuple":
+                micro = [Pair(mb["x"], mb["y"]) for mb in micro]  # type: ignore[misc]
+            elif sc.get("batch_type") == "ordereddict":
+                micro = [OrderedDict(mb) for mb in micro]
             if accumulate == 1:
                 with monitor.step(micro[0]) as step:
                     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # forward only
-                        loss = loss_fn(ddp, micro[0])
-                    step.backward(loss)
+                        loss = chosen_loss(ddp, micro[0]) if sc.get("loss") != "broken" else loss_fn(ddp, micro[0])
+                    step.backward(loss, scaler=scaler)
             else:
                 with monitor.step() as step:
                     for i, mb in enumerate(micro):
                         step.micro_batch(mb)
                         last = i == accumulate - 1 or not no_sync
                         with contextlib.nullcontext() if last else ddp.no_sync():
-                            step.backward(loss_fn(ddp, mb), scale=1 / accumulate)
-            opt.step()
+                            step.backward(loss_fn(ddp, mb), scale=1 / accumulate, scaler=scaler)
+            if sc.get("clip"):
+                torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
             opt.zero_grad(set_to_none=sc.get("set_to_none", True))
+            swap = sc.get("swap_after")
+            if swap and swap["step"] == k:  # corrupt right after the update, then ask before "saving"
+                if rank == swap["rank"]:
+                    sdc.faults.swap_rows(net.get_parameter(swap["param"]).data, *swap["rows"])
+                inc = monitor.verify_weights()
+                verified.append(None if inc is None else (inc.step, inc.check, list(inc.suspect_ranks)))
     except sdc.SDCDetected as e:
         raised_at = e.incident.step
         raised_after_s = time.monotonic() - start
+        t = time.monotonic()
+        monitor.close()
+        closed_after_s = time.monotonic() - t
     monitor.close()
     faults.close()
     return {
         "incidents": [i.to_dict() for i in monitor.incidents],
         "raised_at": raised_at,
         "raised_after_s": raised_after_s,
+        "closed_after_s": closed_after_s,
         "weights": {n: p.detach().clone() for n, p in net.named_parameters()},
         "undisturbed": undisturbed,
         "fired": faults.fired,
         "identity": monitor.identity.to_dict(),
+        "counts": recorder.counts() if recorder else {},
+        "errors": recorder.errors if recorder else [],
+        "report_errors": [e for r in recorder.reports for e in r.errors] if recorder else [],
+        "verified": verified,
+        "mode": monitor.mode,
+        "steps_reported": [r.step for r in recorder.reports if r.counts_step] if recorder else [],
     }
 
 

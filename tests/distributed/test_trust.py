@@ -1,0 +1,157 @@
+"""Trust, on real gloo ranks: the detector never goes blind silently, never cries wolf, never hangs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sdc_telemetry.testing import spawn_ranks
+
+from ._scenarios import run_scenarios
+
+
+def _verdicts(result: dict[str, Any]) -> list[tuple[Any, ...]]:
+    return [(i["step"], i["check"], tuple(i["suspect_ranks"])) for i in result["incidents"]]
+
+
+def _same_everywhere(per_rank: tuple[dict[str, Any], ...]) -> None:
+    assert all(_verdicts(r) == _verdicts(per_rank[0]) for r in per_rank)
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One spawn of 3 ranks (2 hosts) running every trust scenario in a row."""
+    incident_dir = tmp_path_factory.mktemp("incidents")
+    flip = {"kind": "flip_weight_bit", "rank": 1, "step": 3, "param": "fc1.weight", "index": 5, "bit": 9}
+    scenarios: dict[str, dict[str, Any]] = {
+        "broken_replay": {"config": {"replay_every": 2}, "steps": 6, "loss": "broken"},
+        "nan_everywhere": {"config": {"replay_every": 0, "on_suspect": "raise"}, "steps": 6, "nan_all_step": 2},
+        "persistent": {"config": {"replay_every": 0, "incident_dir": str(incident_dir)}, "steps": 40,
+                       "fault": flip},
+        "scaler_comm": {"config": {"replay_every": 0}, "steps": 6, "scaler": True,
+                        "fault": {"kind": "corrupt_reduced_grad", "rank": 2, "step": 3, "index": 1,
+                                  "value": math.inf}},
+        "scaler_replay_fault": {"config": {"replay_every": 2}, "steps": 5, "scaler": True,
+                                "fault": {"kind": "perturb_output", "rank": 0, "step": 2, "module": "act",
+                                          "relative": 1e-3}},
+        "scaler_replay_healthy": {"config": {"replay_every": 1}, "steps": 6, "scaler": True, "accumulate": 2},
+        "verify_row_swap": {"config": {"replay_every": 0, "weights_every": 0}, "steps": 4,
+                            "swap_after": {"step": 2, "rank": 2, "param": "fc1.weight", "rows": (3, 7)}},
+        "mixed_cluster": {"config": {"replay_every": 2}, "steps": 6, "signature_by_rank": True},
+        "namedtuple": {"config": {"replay_every": 1}, "steps": 3, "batch_type": "namedtuple", "loss": "tuple"},
+        "ordereddict": {"config": {"replay_every": 1}, "steps": 3, "batch_type": "ordereddict"},
+        "resume": {"config": {"replay_every": 4}, "steps": 8, "start_step": 100,
+                   "fault": {**flip, "step": 105}},
+        "clipped_nan": {"config": {"replay_every": 0}, "steps": 3, "clip": True,
+                        "fault": {"kind": "nonfinite_grad", "rank": 0, "step": 1, "param": "fc2.weight", "index": 3}},
+        "nested": {"nested": True},
+        "bad_dir": {"config": {"incident_dir": "/proc/no-such-dir/x"}},
+    }
+    hosts = ["node-a", "node-a", "node-b"]
+    results = spawn_ranks(run_scenarios, 3, (list(scenarios.values()),), timeout=600,
+                          rank_env=lambda r: {"SDC_HOST_NAME": hosts[r], "LOCAL_RANK": str(r % 2)})
+    by_name = dict(zip(scenarios, zip(*results, strict=True), strict=True))
+    by_name["incident_dir"] = incident_dir
+    return by_name
+
+
+def test_replay_broken_on_every_audit_counts_errors_never_passes(three_ranks: dict[str, Any]) -> None:
+    """A loss_fn that fails outside the wrapper: every audit is an error on every rank, no pass, no incident."""
+    for r in three_ranks["broken_replay"]:
+        assert r["counts"]["replay"] == {"error": 3}
+        assert r["report_errors"].count("replay") == 3
+        assert not r["incidents"]
+        assert r["counts"]["weights"] == {"pass": 6}
+
+
+def test_nan_on_every_rank_is_numerics_not_hardware(three_ranks: dict[str, Any]) -> None:
+    """A bad batch on every rank with on_suspect=raise: training goes on, one numerics episode, no suspect."""
+    per_rank = three_ranks["nan_everywhere"]
+    _same_everywhere(per_rank)
+    for r in per_rank:
+        assert r["raised_at"] is None
+        numerics = [i for i in r["incidents"] if i["evidence"].get("verdict") == "numerics"]
+        assert numerics and all(not i["suspect_ranks"] for i in r["incidents"])
+        assert numerics[0]["step"] == 2 and numerics[0]["check"] == "grad_local"
+        assert len(r["incidents"]) <= 2 and r["steps_reported"] == list(range(6))
+        assert r["counts"]["grad_local"].get("fail", 0) >= 1 and not r["errors"]
+
+
+def test_one_persistent_fault_is_one_episode(three_ranks: dict[str, Any]) -> None:
+    """A weight flip that stays for 37 steps in record mode: one incident, updated, and a few JSONL lines."""
+    per_rank = three_ranks["persistent"]
+    _same_everywhere(per_rank)
+    incidents = per_rank[0]["incidents"]
+    assert len(incidents) <= 3
+    assert (incidents[0]["step"], incidents[0]["check"], incidents[0]["suspect_ranks"]) == (3, "weights", [1])
+    assert incidents[0]["count"] == 37 and incidents[0]["last_step"] == 39
+    lines = (three_ranks["incident_dir"] / "incidents.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert 2 <= len(records) <= 5
+    assert records[0]["record"] == "incident" and records[1] == {**records[1], "record": "update", "count": 10}
+
+
+def test_grad_scaler_with_rank_local_inf_detected_without_hang(three_ranks: dict[str, Any]) -> None:
+    """GradScaler skips the update on the rank whose reduced gradients hold Inf: every rank learns it at the
+    same step, nothing waits on optimizer.step(), and the diverged replica is then named by the weight check."""
+    per_rank = three_ranks["scaler_comm"]
+    _same_everywhere(per_rank)
+    assert _verdicts(per_rank[0])[:2] == [(3, "grad_reduced", (2,)), (4, "weights", (2,))]
+    assert per_rank[0]["incidents"][0]["evidence"]["verdict"] == "communication"
+
+
+def test_grad_scaler_replay_finds_a_compute_fault_and_passes_when_healthy(three_ranks: dict[str, Any]) -> None:
+    """With step.backward(loss, scaler=...) the replay reproduces the scaled gradients: a compute fault is named,
+    and a healthy run with accumulation passes every audit without errors."""
+    faulty = three_ranks["scaler_replay_fault"]
+    _same_everywhere(faulty)
+    assert _verdicts(faulty[0])[0] == (2, "replay", (0,))
+    for r in three_ranks["scaler_replay_healthy"]:
+        assert not r["incidents"] and r["counts"]["replay"] == {"pass": 6} and not r["errors"]
+
+
+def test_verify_weights_works_with_weights_every_zero_and_sees_a_row_swap(three_ranks: dict[str, Any]) -> None:
+    """weights_every=0: verify_weights() still runs, and catches two swapped rows right after they happen."""
+    for r in three_ranks["verify_row_swap"]:
+        assert r["verified"] == [(2, "weights", [2])]
+        assert r["counts"]["weights"] == {"fail": 1}  # the one on-demand run, no scheduled one
+
+
+def test_mixed_cluster_compares_with_tolerance_and_stays_silent(three_ranks: dict[str, Any]) -> None:
+    """Ranks on different stacks: the replay uses a calibrated tolerance, and a healthy run has no incident."""
+    for r in three_ranks["mixed_cluster"]:
+        assert r["mode"] == "tolerance"
+        assert not r["incidents"] and r["counts"]["replay"] == {"pass": 3} and not r["errors"]
+
+
+def test_namedtuple_and_ordereddict_batches_replay(three_ranks: dict[str, Any]) -> None:
+    """Batches as namedtuples (read by field name in the loss) and OrderedDicts travel and replay exactly."""
+    for name in ("namedtuple", "ordereddict"):
+        for r in three_ranks[name]:
+            assert not r["incidents"] and r["counts"]["replay"] == {"pass": 3}, (name, r["counts"])
+
+
+def test_resume_counts_from_start_step(three_ranks: dict[str, Any]) -> None:
+    """Resumed at 100: a flip before step 105's forward pass is reported at 105; audits follow the user's steps."""
+    per_rank = three_ranks["resume"]
+    _same_everywhere(per_rank)
+    assert _verdicts(per_rank[0])[0] == (105, "weights", (1,))
+    assert per_rank[0]["steps_reported"] == list(range(100, 108))
+    assert per_rank[0]["counts"]["replay"] == {"pass": 2}  # steps 100 and 104 audited
+
+
+def test_nonfinite_evidence_is_taken_before_clipping(three_ranks: dict[str, Any]) -> None:
+    """Gradient clipping after the step does not smear the evidence: it names only the poisoned parameter."""
+    inc = three_ranks["clipped_nan"][0]["incidents"][0]
+    assert (inc["step"], inc["check"], inc["suspect_ranks"]) == (1, "grad_local", [0])
+    assert inc["evidence"]["nonfinite_parameters"] == {"0": ["fc2.weight"]}
+
+
+def test_misuse_gets_clear_errors_on_every_rank(three_ranks: dict[str, Any]) -> None:
+    """Nested steps and an unusable incident_dir give a clear error on every rank (not a peer's dropped socket)."""
+    assert all("steps do not nest" in r["error"] for r in three_ranks["nested"])
+    assert all("incident_dir" in r["error"] and "every rank" in r["error"] for r in three_ranks["bad_dir"])
