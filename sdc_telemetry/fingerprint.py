@@ -1,69 +1,167 @@
-"""Exact tensor fingerprints: one pass over the data, on the tensor's device, no host sync.
+"""Exact, position-sensitive tensor fingerprints: one read of the data, on the tensor's device, no host sync.
 
-A tensor's fingerprint is the wrapping (mod 2**64) sum of its bytes read as little-endian 64-bit words, taken in
-row-major (logical) element order from the tensor's first byte; a trailing partial word is zero-padded.
+Definition. A tensor's bytes, in row-major (logical) element order, are read as little-endian 64-bit words
+``w[0..n)`` (a trailing partial word is zero-padded). The words are cut into blocks of ``B * K`` words
+(``B = 64``, ``K = 1021``), each seen as a ``B x K`` matrix, and every block is summed over its ``B`` rows into
+``K`` partial sums; words after the last whole block are partial sums of their own. Each partial sum ``p[j]`` goes
+through a fixed bijection ``mix`` of 64-bit words (xor-shift, odd multiply, xor-shift) and the fingerprint is
+``nbytes + sum_j h[j] * mix(p[j])`` modulo 2**64, where ``h[j]`` are fixed pseudo-random odd constants.
 
 Why this shape:
-- Integer addition is associative, so the result is exact and identical whatever the reduction order, thread count
-  or device: no tolerance is ever needed to compare two fingerprints.
-- Any single-bit change of any element changes one word by +-2**b (b < 64), which is never 0 mod 2**64, so every
-  single-bit flip is caught, whatever the dtype.
-- Reading 8-byte words runs at the speed of ``torch.sum`` (memory-bandwidth bound); summing 2- or 4-byte integer
-  views into int64 is 10x slower on CPU.
+- Integer arithmetic mod 2**64 is associative, so the result is exact and identical whatever the reduction order,
+  thread count or device: two replicas compare fingerprints with ``==``.
+- Every single-bit flip (more generally, any change confined to one 8-byte word) is caught, for every dtype: it
+  changes one partial sum by a non-zero amount, ``mix`` is a bijection so ``mix(p[j])`` changes by a non-zero
+  ``d``, and ``h[j] * d`` is non-zero mod 2**64 because ``h[j]`` is odd.
+- Position sensitivity at memory bandwidth: a per-word weight would cost a multiply pass over all the data; the
+  block sum is one read (as fast as ``torch.sum`` once memory-bound) and leaves 1/64 of the data, which is cheap
+  to mix and weight. ``K`` is an odd prime so that power-of-two row lengths (every common layer width) never line
+  up with it.
+- ``mix`` is non-linear on purpose: with a linear weighting, swapping two words that differ only in their top bit
+  (``x`` and ``-x`` as the last element of a word, ``0.0`` and ``-0.0``) changes the sum by ``2**63`` times an even
+  number, which is 0 mod 2**64. The xor-shifts move high bits down, so such a swap changes the fingerprint.
 
-Layout: the fingerprint depends on dtype, shape and values only. Strides, contiguity, memory format
-(channels_last) and storage offset do not change it (a non-contiguous tensor is read in logical order, at the cost
-of one copy). Known blind spot, shared by every sum-based checksum: changes whose word deltas cancel exactly
-(for example two whole 8-byte words swapped) are not seen. That is not what a bit flip or a wrong kernel does.
+What is guaranteed, exactly:
+- Equal dtype, shape and bits give equal rows whatever the strides, contiguity, memory format (channels_last) or
+  storage offset (a non-contiguous tensor costs one copy). Different byte lengths give different rows.
+- Every change confined to one 8-byte word is detected (single-bit flips included).
+- Any other change (swaps, row swaps, transposes, reversals, rolls, several words changed) is detected unless the
+  weighted sum cancels by chance (about 2**-60 for data not built for it), with ONE residual blind spot:
+  words in the same block and the same column (word indices ``i``, ``j`` with ``i // (B*K) == j // (B*K)`` and
+  ``i % K == j % K``) share a partial sum, so moves that only exchange words among such positions, or changes
+  whose deltas cancel within one such group, are not seen. For a matrix with rows of ``L`` words that means
+  swapping rows ``r`` and ``r + d`` of the same 510 KiB block with ``d * L`` a multiple of 1021: rows of at most
+  63 words (504 bytes) that are 1021 rows apart, or rows whose length is a multiple of 1021 words. Tensors
+  smaller than one block (510.5 KiB) have no blind spot beyond chance.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["fingerprint"]
+__all__ = ["digest", "fingerprint"]
 
 _WORD = 8
+_B = 128  # rows summed per block: the partial sums are 1/_B of the data
+_K = 1021  # columns per block: an odd prime, never a divisor of power-of-two row lengths
+
+# Constants of splitmix64 (Steele et al.), as signed int64: odd multipliers with good bit diffusion.
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
+_M1 = 0xBF58476D1CE4E5B9 - 2**64
+_M2 = 0x94D049BB133111EB - 2**64
+_LOW = {s: (1 << (64 - s)) - 1 for s in (27, 30, 31, 32)}  # masks that turn an arithmetic shift into a logical one
 
 
-def _word_sum(t: torch.Tensor) -> torch.Tensor:
-    # Fast path, nearly every parameter and gradient: contiguous, whole 8-byte words, 8-byte aligned.
-    if (t.layout == torch.strided and t.is_contiguous() and t.dtype != torch.bool and not t.is_quantized
-            and (t.numel() * t.element_size()) % _WORD == 0 and (t.storage_offset() * t.element_size()) % _WORD == 0):
-        return t.detach().view(-1).view(torch.int64).sum()
+def _xorshift_(x: torch.Tensor, s: int, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """``x ^= x >>> s`` (logical shift) in place: a bijection of 64-bit words that moves high bits down."""
+    shifted = torch.bitwise_right_shift(x, s, out=scratch) if scratch is not None else x >> s
+    return x.bitwise_xor_(shifted.bitwise_and_(_LOW[s]))
+
+
+def _mix_(x: torch.Tensor) -> torch.Tensor:
+    """A fixed bijection of int64 words, in place: xor-shift, odd multiply, xor-shift (each step is invertible).
+
+    One scratch buffer for the shifts: a fresh temporary per step would cost more than the arithmetic.
+    """
+    scratch = torch.empty_like(x)
+    _xorshift_(x.add_(_GOLDEN), 32, scratch)  # the offset makes mix(0) != 0: appended zero words count
+    x.mul_(_M1)
+    return _xorshift_(x, 31, scratch)
+
+
+def _make_weights(n: int, device: torch.device) -> torch.Tensor:
+    """``h[0..n)``: odd pseudo-random int64 constants (splitmix64 of the index), identical on every device."""
+    x = torch.arange(1, n + 1, dtype=torch.int64, device=device).mul_(_GOLDEN)
+    _xorshift_(x, 30)
+    x.mul_(_M1)
+    _xorshift_(x, 27)
+    x.mul_(_M2)
+    _xorshift_(x, 31)
+    return x.bitwise_or_(1)
+
+
+_weights_lock = threading.Lock()
+_weights_cache: dict[torch.device, torch.Tensor] = {}
+
+
+def _weights(n: int, device: torch.device) -> torch.Tensor:
+    """The first ``n`` weights on ``device``; cached per device, grown by doubling (made there: no copy)."""
+    with _weights_lock:
+        h = _weights_cache.get(device)
+        if h is None or h.numel() < n:
+            h = _make_weights(max(n, 2 * (h.numel() if h is not None else 0), 4096), device)
+            _weights_cache[device] = h
+    return h[:n]
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes in logical order as a 1-D int64 tensor (zero-padded): a view whenever possible."""
     if t.is_sparse or t.is_quantized or t.layout != torch.strided:
         raise TypeError(f"fingerprint supports dense strided tensors only, got layout={t.layout} dtype={t.dtype}")
-    flat = t.detach().reshape(-1)
+    t = t.detach()
+    nbytes = t.numel() * t.element_size()
+    # Fast path, nearly every parameter and gradient: contiguous, whole 8-byte words, 8-byte aligned.
+    if (t.is_contiguous() and t.dtype != torch.bool and not t.is_conj() and not t.is_neg()
+            and nbytes % _WORD == 0 and t.data_ptr() % _WORD == 0):
+        return t.reshape(-1).view(torch.int64)
+    flat = t.resolve_conj().resolve_neg().reshape(-1)
     if flat.numel() > 1 and flat.stride(0) != 1:  # expanded (stride-0) views stay views after reshape
         flat = flat.contiguous()
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     raw = flat.view(torch.uint8)
-    whole = raw.numel() // _WORD * _WORD
-    body = raw[:whole]
-    try:
-        total = body.view(torch.int64).sum()
-    except RuntimeError:  # storage offset not 8-byte aligned: realign with one copy
-        total = body.clone().view(torch.int64).sum()
-    if whole < raw.numel():
-        tail = raw[whole:].to(torch.int64)
-        shifts = torch.arange(tail.numel(), device=tail.device, dtype=torch.int64) * 8
-        total = total + torch.bitwise_left_shift(tail, shifts).sum()
-    return total
+    pad = -nbytes % _WORD
+    if pad or raw.data_ptr() % _WORD:  # realign / pad with one copy
+        raw = torch.cat([raw, raw.new_zeros(pad)])
+    return raw.view(torch.int64)
+
+
+def _partials(words: torch.Tensor, b: int, k: int) -> torch.Tensor:
+    """Column sums of each block of ``b`` rows of ``k`` words (the last block may have fewer rows), then the words
+    after the last whole row, each on its own."""
+    n = words.numel()
+    whole = n // (b * k) * (b * k)
+    rows = n // k * k
+    parts = []
+    if whole:
+        parts.append(words[:whole].view(-1, b, k).sum(1).view(-1))
+    if rows > whole:
+        parts.append(words[whole:rows].view(-1, k).sum(0))
+    if not parts:
+        return words
+    if rows < n:
+        parts.append(words[rows:])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _fingerprint(tensors: Sequence[torch.Tensor], b: int, k: int) -> torch.Tensor:
+    device = tensors[0].device
+    parts = [_partials(_words(t), b, k) for t in tensors]
+    mixed = _mix_(torch.cat(parts))  # one copy of the partial sums (1/b of the data) and of small tensors
+    h = _weights(max(p.numel() for p in parts), device)
+    sums = []
+    for seg in torch.split(mixed, [p.numel() for p in parts]):
+        # torch.dot is one fused pass on CPU; CUDA has no integer dot.
+        sums.append(torch.dot(seg, h[:seg.numel()]) if device.type == "cpu" else (seg * h[:seg.numel()]).sum())
+    return torch.stack(sums).unsqueeze(1)
 
 
 def fingerprint(tensors: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
     """Fingerprint each tensor: returns an ``int64`` tensor of shape ``(len(tensors), 1)`` on the tensors' device.
 
     Equal fingerprints are the replica-agreement test: two tensors with the same dtype, shape and bits have the
-    same row, and any single-bit difference gives a different row.
+    same row; any single-bit difference gives a different row, and so does moving values around (swapped
+    elements or rows, a transpose, a reversal), except in the narrow case the module documentation spells out.
 
     >>> import torch, sdc_telemetry as sdc
-    >>> a = torch.ones(4)
+    >>> a = torch.arange(6.0).view(2, 3)
     >>> bool((sdc.fingerprint([a]) == sdc.fingerprint([a.clone()])).all())
     True
+    >>> bool((sdc.fingerprint([a]) == sdc.fingerprint([a.flip(0)])).all())
+    False
     """
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
@@ -72,4 +170,24 @@ def fingerprint(tensors: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(f"fingerprint needs all tensors on one device, got {sorted(str(d) for d in devices)}")
-    return torch.stack([_word_sum(t) for t in tensors]).unsqueeze(1)
+    return _fingerprint(tensors, _B, _K)
+
+
+def digest(rows: torch.Tensor) -> torch.Tensor:
+    """Combine a fingerprint table ``(N, C)`` into one position-sensitive int64 word (0-d, same device, no sync).
+
+    Any change of one row, and swapping two different rows, changes the digest, so replicas agree on a whole
+    table with an all-reduce MIN and MAX of one number each.
+
+    >>> import torch, sdc_telemetry as sdc
+    >>> rows = sdc.fingerprint([torch.zeros(3), torch.ones(3)])
+    >>> bool(digest(rows) == digest(rows.flip(0)))
+    False
+    """
+    if rows.dtype != torch.int64 or rows.dim() != 2:
+        raise ValueError(f"digest needs an int64 table of shape (N, C), got dtype={rows.dtype} "
+                         f"shape={tuple(rows.shape)}")
+    flat = _mix_(rows.reshape(-1).clone())
+    h = _weights(flat.numel() + 1, rows.device)
+    # h[0] weights the table's size so that tables of different shapes do not collide on an empty sum.
+    return (flat * h[1:]).sum() + h[0] * rows.numel() + rows.shape[1]
