@@ -306,11 +306,13 @@ _HOST = "service_name, host_name"
 # (level:metric:operation, Prometheus's convention).
 RECORDING_RULES: tuple[RecordingRule, ...] = (
     RecordingRule(f"sdc:checks:rate{_W}", f"sum by ({_HOST}, check, result) (rate({_CHECKS}[{_W}]))"),
-    # Coverage: the share of due check runs that reached a verdict (pass or fail) rather than error/skipped.
+    # Coverage: the share of due check runs that reached a verdict (pass or fail) rather than error/skipped. Read
+    # from the raw counter, not the rollup above: rollups never depend on each other, so they can be backfilled
+    # (promtool tsdb create-blocks-from rules) and evaluated in any order.
     RecordingRule(f"sdc:checks:coverage{_W}",
-                  f"(\n  sum by (service_name, check) (sdc:checks:rate{_W}{{result=~\"pass|fail\"}})\n  or\n"
-                  f"  0 * sum by (service_name, check) (sdc:checks:rate{_W})\n)\n"
-                  f"/ sum by (service_name, check) (sdc:checks:rate{_W})"),
+                  f"(\n  sum by (service_name, check) (rate({_sel(_CHECKS, result='~pass|fail')}[{_W}]))\n  or\n"
+                  f"  0 * sum by (service_name, check) (rate({_CHECKS}[{_W}]))\n)\n"
+                  f"/ sum by (service_name, check) (rate({_CHECKS}[{_W}]))"),
     RecordingRule(f"sdc:steps:rate{_W}", f"sum by ({_HOST}) (rate({_STEPS}[{_W}]))"),
     RecordingRule("sdc:ranks:count", f"count by ({_HOST}) ({_STEPS})"),
     RecordingRule("sdc:ranks_closed:count", f"count by ({_HOST}) ({_CLOSED} == 1)"),

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from sdc_telemetry import alerts, dashboards
-from sdc_telemetry.metrics import FAMILIES, GPU, IDENTITY_LABELS, SDC
+from sdc_telemetry.metrics import FAMILIES, GPU, IDENTITY_LABELS
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "dashboards"
@@ -186,3 +189,23 @@ def test_panel_queries_refuse_an_unknown_variable() -> None:
     doc = {"title": "x", "panels": [{"title": "p", "targets": [{"refId": "A", "expr": "up{a=~\"$nope\"}"}]}]}
     with pytest.raises(ValueError, match="unsubstituted"):
         dashboards.panel_queries(docs=[doc])
+
+
+def test_every_panel_query_returns_data_from_a_real_prometheus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/prometheus_scale.py --quick backfills a 16-rank job into a real Prometheus with the rollups: every
+    alert, rollup and panel query runs, and every panel but the XID one (no XID in a healthy fleet) has data."""
+    for tool in ("promtool", "prometheus"):
+        if shutil.which(tool) is None:
+            if os.environ.get("CI") == "true":
+                pytest.fail(f"{tool} is not on PATH (CI=true: a missing binary is a failure)")
+            pytest.skip(f"{tool} is not on PATH")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    result = importlib.import_module("prometheus_scale").main(["--quick", "--out-dir", str(tmp_path)])
+    panels = [q for q in result["queries"] if q["kind"] == "panel"]
+    assert len(panels) == len(dashboards.panel_queries())
+    assert {q["name"] for q in panels if q["series"] == 0} <= {
+        "GPU health / XID errors reported by the driver, by XID code [A]"}
+    assert len([q for q in result["queries"] if q["kind"] == "alert"]) == len(alerts.RULES)
+    suspects = next(q for q in panels if q["name"].startswith("SDC overview / Suspects"))
+    assert suspects["series"] == 1  # rank 7, the one latched suspect
+    assert (tmp_path / "prometheus_scale.json").is_file()
