@@ -13,7 +13,8 @@ end of the history) and every dashboard panel query (range queries over the last
 to all jobs, hosts and ranks). Prints a table of the median seconds of ``--repeat`` runs per query; writes
 ``benchmarks/results/prometheus_scale.json``.
 
-One rank (rank 7) is a latched weights suspect from the middle of the history, so the suspect panels have rows.
+One rank (rank 7) is a latched weights suspect from the middle of the history, with an XID 79 on its GPU, so the
+suspect and XID panels have rows.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ VALUES: dict[str, dict[str, tuple[str, ...]]] = {
     "gpu_remapped_rows": {"kind": ("correctable", "uncorrectable")},
     "gpu_nvlink_errors_total": {"type": ("crc_flit", "replay")},
     "gpu_clock_event_reasons": {"reason": ("sw_power_cap", "hw_slowdown")},
-    "gpu_xid_errors_total": {"xid": ("13",)},
+    "gpu_xid_errors_total": {"xid": ("79",)},
 }
 
 
@@ -99,6 +100,8 @@ def _value(name: str, lab: dict[str, str], rank: int, i: int, t: float, half: in
         return 1.0 if rank == SUSPECT_RANK and lab["check"] == "weights" and i >= half else 0.0
     if name == "sdc_incidents_total":
         return 1.0 if lab["check"] == "weights" and i >= half else 0.0
+    if name == "gpu_xid_errors_total":
+        return 1.0 if i >= half else 0.0
     if name == "up":
         return 1.0
     if name == "hw_errors_total":
@@ -154,10 +157,10 @@ def write_openmetrics(path: Path, ranks: range, start: int, points: int, service
                                 f.write("".join(f"{name}{labels} {v} {t}\n" for v, t in zip(vals, ts, strict=True)))
                                 n += points
                 continue
-            if fam.name == "gpu_xid_errors_total":
-                continue  # born only by an XID: none in a healthy fleet
             f.write(f"# TYPE {fam.name} unknown\n")
             for r, ident in idents:
+                if fam.name == "gpu_xid_errors_total" and r != SUSPECT_RANK:
+                    continue  # born only by an XID: the suspect's GPU fell off the bus once
                 for combo in _combos(fam.name):
                     labels = _labels({**ident, **combo})
                     f.write("".join(f"{fam.name}{labels} {_value(fam.name, combo, r, i, start + 15 * i, half):g} "
