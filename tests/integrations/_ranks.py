@@ -1,0 +1,38 @@
+"""Rank-side helpers shared by the integration tests (module level, so spawned ranks can import them)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import sdc_telemetry as sdc
+
+
+class ResultCounter(sdc.Observer):
+    """Counts each check's results on this rank, as ``sdc_checks_total`` would."""
+
+    def __init__(self) -> None:
+        self.results: Counter[tuple[str, str]] = Counter()
+
+    def report(self, report: sdc.StepReport) -> None:
+        for check, result in report.results.items():
+            self.results[check, result] += 1
+
+
+def launcher_env(world: int) -> Any:
+    """Per-rank environment that makes Lightning and Accelerate take the already initialised process group as a
+    torchrun launch (processes created outside, nothing to spawn)."""
+    def env(rank: int) -> dict[str, str]:
+        return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+                "GROUP_RANK": "0", "TORCHELASTIC_RUN_ID": "sdc-integration-test", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29999"}
+    return env
+
+
+def summary(incidents: list[sdc.Incident], observer: ResultCounter, raised: sdc.SDCDetected | None,
+            **extra: Any) -> dict[str, Any]:
+    return {"incidents": [(i.step, i.check, list(i.suspect_ranks)) for i in incidents],
+            "results": dict(observer.results),
+            "raised": (raised.incident.step, raised.incident.check, list(raised.incident.suspect_ranks))
+            if raised is not None else None,
+            **extra}

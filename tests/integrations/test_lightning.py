@@ -1,0 +1,55 @@
+"""SDCCallback in a real Lightning DDP fit on 3 gloo ranks (CPU): a weight bit flip and a healthy audited run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import sdc_telemetry as sdc
+from sdc_telemetry.testing import spawn_ranks
+
+if not os.environ.get("CI"):
+    pytest.importorskip("lightning")
+
+from . import _lightning_ranks
+from ._ranks import launcher_env
+
+WORLD = 3
+QUIET = {"metrics_port": None, "nvml": False}
+
+
+@pytest.fixture(scope="module")
+def fits() -> list[list[dict]]:
+    runs = [
+        {"config": sdc.SDCConfig(weights_every=1, replay_every=0, on_suspect="raise", **QUIET), "steps": 6,
+         "flip": (1, 2)},
+        {"config": sdc.SDCConfig(weights_every=1, replay_every=2, on_suspect="raise", **QUIET), "steps": 4,
+         "accumulate": 2},
+    ]
+    return spawn_ranks(_lightning_ranks.run, WORLD, (runs,), timeout=300, rank_env=launcher_env(WORLD))
+
+
+def test_weight_bit_flip_stops_fit_on_every_rank(fits: list[list[dict]]) -> None:
+    """A bit flipped in one rank's weights before step 2 is found by the weight check at step 2, naming that rank,
+    and SDCDetected ends fit on every rank before the update."""
+    for rank, per_run in enumerate(fits):
+        r = per_run[0]
+        assert r["model_type"] == "DistributedDataParallel"
+        assert r["raised"] == (2, "weights", [1]), f"rank {rank}: {r}"
+        assert r["incidents"] == [(2, "weights", [1])]
+        assert r["global_step"] == 2  # stopped before step 2's update
+        assert r["closed"]
+
+
+def test_healthy_accumulated_fit_replays_without_incident(fits: list[list[dict]]) -> None:
+    """With accumulate_grad_batches=2 and replay_every=2, four healthy steps raise nothing, and steps 0 and 2 are
+    replayed on every rank (two replay passes, weights pass every step)."""
+    for rank, per_run in enumerate(fits):
+        r = per_run[1]
+        assert r["raised"] is None and r["incidents"] == [], f"rank {rank}: {r}"
+        assert r["global_step"] == 4
+        assert r["results"].get(("replay", "pass")) == 2, f"rank {rank}: {r['results']}"
+        assert r["results"].get(("weights", "pass")) == 4
+        assert r["results"].get(("grad_local", "pass")) == 4
+        assert not any(res in ("fail", "error", "skipped") for _, res in r["results"])
