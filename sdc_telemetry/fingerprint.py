@@ -1,38 +1,41 @@
 """Exact, position-sensitive tensor fingerprints: one read of the data, on the tensor's device, no host sync.
 
 Definition. A tensor's bytes, in row-major (logical) element order, are read as little-endian 64-bit words
-``w[0..n)`` (a trailing partial word is zero-padded). The words are cut into blocks of ``B * K`` words
-(``B = 64``, ``K = 1021``), each seen as a ``B x K`` matrix, and every block is summed over its ``B`` rows into
-``K`` partial sums; words after the last whole block are partial sums of their own. Each partial sum ``p[j]`` goes
-through a fixed bijection ``mix`` of 64-bit words (xor-shift, odd multiply, xor-shift) and the fingerprint is
-``nbytes + sum_j h[j] * mix(p[j])`` modulo 2**64, where ``h[j]`` are fixed pseudo-random odd constants.
+``w[0..n)`` (a trailing partial word is zero-padded). The words are laid out as rows of ``K = 1021`` words, and
+every ``B = 128`` rows form a block (the last block may have fewer rows). Each block is summed over its rows into
+``K`` column sums; the words after the last whole row are kept on their own. Call the result, in order, the
+partial sums ``p[0..m)``. Then
+
+    fingerprint = sum_j h[j] * mix(p[j])   (mod 2**64, as int64)
+
+where ``mix`` is a fixed bijection of 64-bit words (add a constant, xor-shift, odd multiply, xor-shift) and
+``h[j]`` are fixed pseudo-random odd constants (splitmix64 of ``j + 1``, lowest bit set).
 
 Why this shape:
-- Integer arithmetic mod 2**64 is associative, so the result is exact and identical whatever the reduction order,
-  thread count or device: two replicas compare fingerprints with ``==``.
-- Every single-bit flip (more generally, any change confined to one 8-byte word) is caught, for every dtype: it
-  changes one partial sum by a non-zero amount, ``mix`` is a bijection so ``mix(p[j])`` changes by a non-zero
-  ``d``, and ``h[j] * d`` is non-zero mod 2**64 because ``h[j]`` is odd.
-- Position sensitivity at memory bandwidth: a per-word weight would cost a multiply pass over all the data; the
-  block sum is one read (as fast as ``torch.sum`` once memory-bound) and leaves 1/64 of the data, which is cheap
-  to mix and weight. ``K`` is an odd prime so that power-of-two row lengths (every common layer width) never line
-  up with it.
-- ``mix`` is non-linear on purpose: with a linear weighting, swapping two words that differ only in their top bit
-  (``x`` and ``-x`` as the last element of a word, ``0.0`` and ``-0.0``) changes the sum by ``2**63`` times an even
-  number, which is 0 mod 2**64. The xor-shifts move high bits down, so such a swap changes the fingerprint.
+- Integer arithmetic mod 2**64 does not depend on the order of the additions, so the result is exact and identical
+  whatever the thread count or device: two replicas compare rows with ``==``.
+- Speed: a weight per word would cost a multiply pass over all of the data. The block sum is one read of the data
+  (a strided ``sum``, memory-bound like ``torch.sum``) and leaves 1/128 of it, small enough to mix and weight.
+- ``K`` is an odd prime, so row lengths of power-of-two layer widths never line up with it.
+- ``mix`` is not linear on purpose: with linear weights, exchanging two words that differ only in their top bit
+  (``1.5`` and ``-1.5`` in float64, ``0.0`` and ``-0.0`` as the last element of a word) changes the sum by
+  ``2**63`` times an even number, which is 0 mod 2**64. The xor-shifts carry high bits down, so that is seen.
 
 What is guaranteed, exactly:
-- Equal dtype, shape and bits give equal rows whatever the strides, contiguity, memory format (channels_last) or
-  storage offset (a non-contiguous tensor costs one copy). Different byte lengths give different rows.
-- Every change confined to one 8-byte word is detected (single-bit flips included).
-- Any other change (swaps, row swaps, transposes, reversals, rolls, several words changed) is detected unless the
-  weighted sum cancels by chance (about 2**-60 for data not built for it), with ONE residual blind spot:
-  words in the same block and the same column (word indices ``i``, ``j`` with ``i // (B*K) == j // (B*K)`` and
-  ``i % K == j % K``) share a partial sum, so moves that only exchange words among such positions, or changes
-  whose deltas cancel within one such group, are not seen. For a matrix with rows of ``L`` words that means
-  swapping rows ``r`` and ``r + d`` of the same 510 KiB block with ``d * L`` a multiple of 1021: rows of at most
-  63 words (504 bytes) that are 1021 rows apart, or rows whose length is a multiple of 1021 words. Tensors
-  smaller than one block (510.5 KiB) have no blind spot beyond chance.
+- Equal dtype, shape and bits give equal rows, whatever the strides, contiguity, memory format (channels_last) or
+  storage offset (a tensor that is not a contiguous, 8-byte aligned run of whole words costs one copy).
+- Every change confined to one 8-byte word (so every single-bit flip, of any dtype) changes the row: it changes
+  one partial sum, ``mix`` is a bijection so ``mix(p[j])`` changes by some ``d != 0``, and ``h[j] * d != 0``
+  mod 2**64 because ``h[j]`` is odd.
+- Any other change (swapped elements or rows, a transpose, a reversal, a roll, several changed words) changes the
+  row unless the weighted sum cancels by chance (about 1 in 2**60 for data not built for it), with one structural
+  blind spot: words in the same block and column (word indices ``i``, ``j`` with ``i // (B*K) == j // (B*K)`` and
+  ``i % K == j % K``, or both in the last block's rows with ``i % K == j % K``) share a partial sum. A change
+  is invisible when it only exchanges words among such positions (or its deltas cancel within one such group).
+  For a matrix whose rows are ``L`` words long, that takes swapping rows ``d`` apart with ``d * L`` a multiple of
+  1021 inside one ~1 MiB block: rows of at most 127 words (1016 bytes) that are 1021 rows apart, or rows whose
+  length is a multiple of 1021 words. Tensors under 1021 words (8 KiB) have no structural blind spot at all.
+- ``digest`` folds a table of rows into one word the same way (mix, then weight by position).
 """
 
 from __future__ import annotations
@@ -119,9 +122,9 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return raw.view(torch.int64)
 
 
-def _partials(words: torch.Tensor, b: int, k: int) -> torch.Tensor:
-    """Column sums of each block of ``b`` rows of ``k`` words (the last block may have fewer rows), then the words
-    after the last whole row, each on its own."""
+def _partials(words: torch.Tensor, b: int, k: int) -> list[torch.Tensor]:
+    """The partial sums, in order: column sums of each block of ``b`` rows of ``k`` words, of the last block (fewer
+    rows), then the words after the last whole row, each on its own."""
     n = words.numel()
     whole = n // (b * k) * (b * k)
     rows = n // k * k
@@ -130,20 +133,21 @@ def _partials(words: torch.Tensor, b: int, k: int) -> torch.Tensor:
         parts.append(words[:whole].view(-1, b, k).sum(1).view(-1))
     if rows > whole:
         parts.append(words[whole:rows].view(-1, k).sum(0))
-    if not parts:
-        return words
     if rows < n:
         parts.append(words[rows:])
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return parts
 
 
 def _fingerprint(tensors: Sequence[torch.Tensor], b: int, k: int) -> torch.Tensor:
     device = tensors[0].device
-    parts = [_partials(_words(t), b, k) for t in tensors]
-    mixed = _mix_(torch.cat(parts))  # one copy of the partial sums (1/b of the data) and of small tensors
-    h = _weights(max(p.numel() for p in parts), device)
+    pieces = [_partials(_words(t), b, k) for t in tensors]
+    sizes = [sum(p.numel() for p in ps) for ps in pieces]
+    # One copy of every partial sum (1/b of large tensors, all of small ones), mixed in place.
+    flat = [p for ps in pieces for p in ps]
+    mixed = _mix_(torch.cat(flat) if flat else torch.zeros(0, dtype=torch.int64, device=device))
+    h = _weights(max(sizes), device)
     sums = []
-    for seg in torch.split(mixed, [p.numel() for p in parts]):
+    for seg in torch.split(mixed, sizes):
         # torch.dot is one fused pass on CPU; CUDA has no integer dot.
         sums.append(torch.dot(seg, h[:seg.numel()]) if device.type == "cpu" else (seg * h[:seg.numel()]).sum())
     return torch.stack(sums).unsqueeze(1)
