@@ -38,9 +38,14 @@ def _rank1_skips_the_collective(rank: int, world: int) -> None:
     time.sleep(600)
 
 
-def _failure(fn: object, **kw: object) -> str:
+def _sleeps(rank: int, world: int) -> None:
+    time.sleep(600)
+
+
+def _failure(fn: object, world: int = 2, **kw: object) -> str:
+    kw.setdefault("timeout", TIMEOUT)
     with pytest.raises(RankFailed) as info:
-        spawn_ranks(fn, 2, timeout=TIMEOUT, **kw)  # type: ignore[arg-type]
+        spawn_ranks(fn, world, **kw)  # type: ignore[arg-type]
     assert multiprocessing.active_children() == []
     return str(info.value)
 
@@ -74,6 +79,12 @@ def test_a_collective_that_a_rank_never_joins_fails_within_pg_timeout() -> None:
     rank0 = next(line for line in msg.splitlines() if line.startswith("rank 0:"))
     assert "timed out" in msg.lower() and "Error" in rank0
     assert "did not finish within" not in msg
+
+
+def test_a_hung_run_ends_at_the_timeout_and_is_killed() -> None:
+    """A rank still running at ``timeout`` is reported as such and killed."""
+    msg = _failure(_sleeps, world=1, timeout=3.0)
+    assert "ranks [0] did not finish within 3s" in msg and "rank 0: still running at the timeout: killed" in msg
 
 
 def test_bad_arguments_are_refused_before_spawning() -> None:
