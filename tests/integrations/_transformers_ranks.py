@@ -1,0 +1,71 @@
+"""Rank side of the Hugging Face Trainer tests: several ``train()`` runs of a tiny GPT-2 in one process group."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import transformers
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+
+import sdc_telemetry as sdc
+from sdc_telemetry.faults import flip_bit
+from sdc_telemetry.transformers import SDCTrainer
+
+from ._ranks import ResultCounter, summary
+
+
+class FlipWeightBit(TrainerCallback):
+    """Flips one bit of the first attention weight on ``rank`` before the first micro-batch of step ``step``."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if dist.get_rank() == self.rank and state.global_step == self.step:
+            flip_bit(kwargs["model"].transformer.h[0].attn.c_attn.weight.data, index=7, bit=11)
+
+
+def _dataset() -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (48, 12), generator=gen)
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def train(config: sdc.SDCConfig, *, accumulate: int = 1, steps: int = 4, flip: tuple[int, int] | None = None,
+          token_normalised: bool = True) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=16, vocab_size=64))
+    counter = ResultCounter()
+    with tempfile.TemporaryDirectory(prefix="sdc-hf-") as out:
+        args = TrainingArguments(output_dir=out, use_cpu=True, per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=accumulate, max_steps=steps, learning_rate=1e-3,
+                                 report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                                 dataloader_num_workers=0, seed=0)
+        trainer = SDCTrainer(model=model, args=args, train_dataset=_dataset(),
+                             callbacks=[FlipWeightBit(*flip)] if flip else None,
+                             sdc_config=config, sdc_observer=counter)
+        if not token_normalised:  # the Trainer then divides each micro-batch's loss by the accumulation steps
+            trainer.model_accepts_loss_kwargs = False
+        raised = None
+        try:
+            trainer.train()
+        except sdc.SDCDetected as e:
+            raised = e
+    monitor = trainer.sdc_monitor
+    assert monitor is not None
+    return summary(monitor.incidents, counter, raised, global_step=trainer.state.global_step,
+                   closed=monitor._closed, model_type=type(monitor.model).__name__)
+
+
+def run(rank: int, world: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("accelerate").setLevel(logging.ERROR)
+    out = []
+    for kwargs in runs:
+        out.append(train(**kwargs))
+        dist.barrier()
+    return out
