@@ -77,7 +77,7 @@ class SDCMonitor:
                  nvml: Any = None) -> None:
         self._closed = True  # until construction succeeds: close() then does nothing
         initialised = dist.is_available() and dist.is_initialized()
-        if _is_fully_sharded(model):
+        if isinstance(model, torch.nn.Module) and _is_fully_sharded(model):
             raise TypeError("SDCMonitor does not support modules sharded with fully_shard (FSDP2/HSDP) yet: it "
                             "supports DistributedDataParallel models, and plain modules in a single process")
         if isinstance(model, DistributedDataParallel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,11 +31,33 @@ def one_rank(tmp_path: Path) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def test_model_must_be_ddp() -> None:
-    """A plain module is refused with a message saying to wrap it."""
+def test_model_must_be_a_module_and_keywords_are_checked() -> None:
+    """Not a module, a bad start_step or a misspelt keyword: clear errors naming the problem."""
     model = nn.Linear(2, 2)
-    with pytest.raises(TypeError, match="DistributedDataParallel"):
-        sdc.SDCMonitor(model, torch.optim.SGD(model.parameters(), lr=0.1))  # type: ignore[arg-type]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        sdc.SDCMonitor(lambda x: x, opt)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="start_step"):
+        sdc.SDCMonitor(model, opt, config=sdc.SDCConfig(**OFF), start_step=-1)
+    with pytest.raises(TypeError, match="start_stp"):
+        sdc.SDCMonitor(model, opt, config=sdc.SDCConfig(**OFF), start_stp=3)  # type: ignore[call-arg]
+
+
+def test_plain_module_in_one_process_checks_gradients(caplog: pytest.LogCaptureFixture) -> None:
+    """No process group: the same three lines work; a NaN gradient is reported at its (resumed) step."""
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.INFO, logger="sdc_telemetry"):
+        mon = sdc.SDCMonitor(model, opt, config=sdc.SDCConfig(**OFF), start_step=7)
+    assert "monitoring 1 rank" in caplog.text and "weight and replay checks" in caplog.text
+    for k in range(3):
+        x = torch.ones(3, 4)
+        with mon.step(x) as step:
+            step.backward(model(x).sum() * (math.nan if k == 1 else 1.0))
+        opt.step()
+        opt.zero_grad()
+    assert [(i.step, i.check, i.suspect_ranks) for i in mon.incidents] == [(8, "grad_local", (0,))]
+    mon.close()
 
 
 def test_needs_an_initialised_process_group(tmp_path: Path) -> None:
@@ -50,9 +73,9 @@ def test_world_of_one_disables_comparisons_with_a_warning(one_rank: None, caplog
     """One rank: weight and replay checks off (warned), gradient checks still catch a NaN."""
     ddp = DistributedDataParallel(nn.Linear(4, 2))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    with caplog.at_level(logging.WARNING, logger="sdc_telemetry"):
+    with caplog.at_level(logging.INFO, logger="sdc_telemetry"):
         mon = sdc.SDCMonitor(ddp, opt, loss_fn=_loss, config=sdc.SDCConfig(replay_every=5, **OFF))
-    assert "one rank" in caplog.text
+    assert "one replica" in caplog.text
     x = torch.ones(3, 4)
     with mon.step(x) as step:
         step.backward(ddp(x).sum() * float("nan"))
@@ -63,11 +86,12 @@ def test_world_of_one_disables_comparisons_with_a_warning(one_rank: None, caplog
     mon.close()  # a second close is harmless
 
 
-def test_replay_without_loss_fn_is_refused(one_rank: None) -> None:
-    """replay_every > 0 needs loss_fn: the error says so at construction."""
+def test_one_rank_needs_no_loss_fn(one_rank: None) -> None:
+    """With one replica there is no replay, so the default replay_every needs no loss_fn (the line says so)."""
     ddp = DistributedDataParallel(nn.Linear(4, 2))
-    with pytest.raises(ValueError, match="loss_fn"):
-        sdc.SDCMonitor(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), config=sdc.SDCConfig(replay_every=10, **OFF))
+    mon = sdc.SDCMonitor(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), config=sdc.SDCConfig(replay_every=10, **OFF))
+    assert mon.verify_weights() is None
+    mon.close()
 
 
 def test_backward_outside_step_and_bad_loss(one_rank: None) -> None:
