@@ -1,0 +1,16 @@
+"""Scale: a healthy step's monitor collectives move the same bytes per rank at any world size."""
+
+from __future__ import annotations
+
+from sdc_telemetry.testing import spawn_ranks
+
+from ._scale import healthy_step_bytes
+
+
+def test_healthy_step_bytes_do_not_grow_with_world_size() -> None:
+    """W=2 and W=8 gloo ranks: one fixed-size all-reduce per healthy step, the same bytes per rank."""
+    small = spawn_ranks(healthy_step_bytes, 2, (5,), timeout=180)
+    large = spawn_ranks(healthy_step_bytes, 8, (5,), timeout=300)
+    assert small[0] == large[0] == large[7], (small[0], large[0])
+    assert small[0]["calls"] == 1 and set(small[0]) == {"all_reduce", "calls"}
+    assert small[0]["all_reduce"] <= 256
