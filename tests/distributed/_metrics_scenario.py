@@ -39,28 +39,31 @@ def _pause(sync_dir: Path, name: str, rank: int, timeout: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-def run(rank: int, world: int, base_port: int, sync_dir: str) -> dict[str, Any]:
+def run(rank: int, world: int, base_port: int, sync_dir: str, steps: int = STEPS,
+        pauses: dict[int, str] | None = None, replay_every: int = 2, fault: bool = True) -> dict[str, Any]:
+    pauses = PAUSE_AFTER_STEP if pauses is None else pauses
     sync = Path(sync_dir)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
     ddp = DistributedDataParallel(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     faults = FaultInjector(ddp, opt)
-    faults.flip_weight_bit(**FAULT)
-    config = sdc.SDCConfig(weights_every=1, replay_every=2, on_suspect="record", metrics_port=base_port,
+    if fault:
+        faults.flip_weight_bit(**FAULT)
+    config = sdc.SDCConfig(weights_every=1, replay_every=replay_every, on_suspect="record", metrics_port=base_port,
                            metrics_host="127.0.0.1", job_name="scrape-test")
     identity = sdc.RankIdentity.local()
     monitor = sdc.SDCMonitor(ddp, opt, loss_fn=loss_fn, config=config, comm_hook=faults.comm_hook,
                              nvml=FakeNVML.for_demo(identity.hw_id))
     gen = torch.Generator().manual_seed(100 + rank)
-    for step in range(STEPS):
+    for step in range(steps):
         batch = (torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen))
         with monitor.step(batch) as st:
             st.backward(loss_fn(ddp, batch))
         opt.step()
         opt.zero_grad()
-        if step in PAUSE_AFTER_STEP:
-            _pause(sync, PAUSE_AFTER_STEP[step], rank)
+        if step in pauses:
+            _pause(sync, pauses[step], rank)
     _pause(sync, "after_run", rank)
     monitor.close()
     faults.close()

@@ -52,16 +52,14 @@ def _wait_for(paths: list[Path], timeout: float, job: threading.Thread) -> None:
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def _scraped_run(sync: Path, world: int, pauses: tuple[str, ...], args: tuple[Any, ...] = ()) -> dict[str, Any]:
     """Run the job once; at each pause scrape every rank's endpoint over HTTP."""
-    sync = tmp_path_factory.mktemp("sync")
-    base = _free_base(WORLD)
-    out: dict[str, Any] = {"texts": {p: {} for p in PAUSES}}
+    base = _free_base(world)
+    out: dict[str, Any] = {"texts": {p: {} for p in pauses}}
 
     def job() -> None:
         try:
-            out["results"] = spawn_ranks(scenario.run, WORLD, args=(base, str(sync)), timeout=180,
+            out["results"] = spawn_ranks(scenario.run, world, args=(base, str(sync), *args), timeout=180,
                                          rank_env=lambda r: {"LOCAL_RANK": str(r), "SDC_HOST_NAME": "node-a"})
         except BaseException as e:  # reported by the test thread
             out["error"] = e
@@ -69,19 +67,37 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     thread = threading.Thread(target=job, daemon=True)
     thread.start()
     try:
-        for pause in PAUSES:
-            _wait_for([sync / f"ready-{pause}-{r}" for r in range(WORLD)], 180, thread)
-            for r in range(WORLD):
+        for pause in pauses:
+            _wait_for([sync / f"ready-{pause}-{r}" for r in range(world)], 180, thread)
+            for r in range(world):
                 with urllib.request.urlopen(f"http://127.0.0.1:{base + r}/metrics", timeout=10) as resp:
                     out["texts"][pause][r] = resp.read().decode()
             (sync / f"go-{pause}").touch()
     finally:
-        for pause in PAUSES:
+        for pause in pauses:
             (sync / f"go-{pause}").touch()
         thread.join(timeout=120)
     if "error" in out:
         raise out["error"]
     return out
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Three ranks, a weight bit flip on one, scraped before the fault and after the run."""
+    return _scraped_run(tmp_path_factory.mktemp("sync"), WORLD, PAUSES)
+
+
+def test_series_count_is_fixed_however_many_audits_ran(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Replay every step: a rank exports the same sdc_ series after audit 2 as after audit 24 (at most 200)."""
+    pauses = {1: "audit_2", 23: "audit_24"}
+    out = _scraped_run(tmp_path_factory.mktemp("audits"), 2, (*pauses.values(), "after_run"),
+                       (25, pauses, 1, False))
+    for r in range(2):
+        before, after = ({(n, tuple(sorted(lab.items()))) for n, lab, _ in _samples(out["texts"][p][r])
+                          if n.startswith("sdc_")} for p in pauses.values())
+        assert before == after and len(after) <= 200, (len(before), len(after), before ^ after)
+        assert _value(out["texts"]["audit_24"][r], "sdc_checks_total", check="replay", result="pass") == 24
 
 
 def _samples(text: str) -> list[tuple[str, dict[str, str], float]]:
