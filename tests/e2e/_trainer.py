@@ -74,3 +74,34 @@ def train(rank: int, world: int, plan: Plan) -> dict[str, Any]:
     faults.close()
     return {"identity": identity.to_dict(), "fired": list(faults.fired),
             "incidents": [(i.step, i.check, i.suspect_ranks) for i in monitor.incidents]}
+
+
+def raise_and_page(rank: int, world: int, alertmanager_url: str, base_port: int) -> dict[str, Any]:
+    """A weight flip on rank 2 with on_suspect="raise" and a direct push to Alertmanager; nobody scrapes the ranks.
+    Returns when the incident was raised and how long the stop recipe (close, then return) took on this rank."""
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    faults = FaultInjector(ddp, opt)
+    faults.flip_weight_bit(rank=2, step=4, param="0.weight", index=3, bit=10)
+    config = sdc.SDCConfig(weights_every=1, replay_every=0, on_suspect="raise", metrics_port=base_port,
+                           metrics_host="127.0.0.1", job_name="direct-page", alertmanager_url=alertmanager_url,
+                           nvml=False)
+    monitor = sdc.SDCMonitor(ddp, opt, config=config)
+    gen = torch.Generator().manual_seed(100 + rank)
+    raised_at = None
+    try:
+        for _ in range(20):
+            batch = (torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen))
+            with monitor.step(batch) as st:
+                st.backward(loss_fn(ddp, batch))
+            opt.step()
+            opt.zero_grad()
+    except sdc.SDCDetected as e:
+        raised_at = time.time()
+        monitor.close()
+        faults.close()
+        return {"raised_at": raised_at, "returned_at": time.time(), "step": e.incident.step,
+                "exit_code": e.exit_code}
+    monitor.close()
+    return {"raised_at": None}
