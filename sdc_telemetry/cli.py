@@ -4,9 +4,13 @@ of the checked-in dashboards and alert rules."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import shlex
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +51,7 @@ def _stack_cls() -> Any:
 
 
 def demo(args: argparse.Namespace) -> int:
+    from .alerts import SUSPECT_ALERTS
     from .demo import DemoPlan, expected, run_rank
     from .testing import spawn_ranks
 
@@ -65,7 +70,8 @@ def demo(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host,
         step_delay=args.step_delay if args.step_delay is not None else (0.25 if stack_cls else 0.0),
         serve_after=args.serve_after if args.serve_after is not None else (args.page_timeout if stack_cls else 0.0),
-        stop_file=stop_file, incident_dir=args.incident_dir or tmp.name,
+        stop_file=stop_file, incident_dir=args.incident_dir or tmp.name, checkpoint_dir=tmp.name,
+        certify_step=max(0, min(args.fault_step, args.steps) // 2),
         close_scrape_wait_s=8.0 if stack_cls else 0.0,  # nobody scrapes without Prometheus: do not wait for it
     )
     want = expected(plan)
@@ -78,29 +84,37 @@ def demo(args: argparse.Namespace) -> int:
     results: list[Any] = []
     failure: list[BaseException] = []
 
-    def train() -> None:
+    def train(run_plan: DemoPlan) -> None:
         try:
-            results.extend(spawn_ranks(run_rank, args.world, (plan,), timeout=600,
+            results.extend(spawn_ranks(run_rank, args.world, (run_plan,), timeout=600,
                                        rank_env=lambda r: {"LOCAL_RANK": str(r)}))
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             failure.append(e)
 
-    page = None
+    page, drained = None, None
     try:
         if stack_cls is not None:
+            from .respond import Responder
+
+            drains = Path(tmp.name) / "drained.jsonl"
+            # A harmless stand-in for `scontrol update NodeName={host_name} State=DRAIN ...`: it records its argv.
+            recorder = (f"{shlex.quote(sys.executable)} -c {shlex.quote(_RECORDER)} {shlex.quote(str(drains))} "
+                        "drain {host_name} rank={rank} gpu={hw_id} alert={alertname}")
             targets = [f"127.0.0.1:{plan.metrics_port + r}" for r in range(args.world)]  # type: ignore[operator]
-            with stack_cls(targets=targets, workdir=tmp.name) as stack:
-                print(f"prometheus: {stack.prometheus_url}  alertmanager: {stack.alertmanager_url}", flush=True)
-                trainer = threading.Thread(target=train, daemon=True)
+            with Responder(recorder) as responder, \
+                    stack_cls(targets=targets, workdir=tmp.name, responder_url=f"{responder.url}/alerts") as stack:
+                print(f"prometheus: {stack.prometheus_url}  alertmanager: {stack.alertmanager_url}  "
+                      f"responder: {responder.url}", flush=True)
+                run_plan = dataclasses.replace(plan, alertmanager_url=stack.alertmanager_url)
+                trainer = threading.Thread(target=train, args=(run_plan,), daemon=True)
                 trainer.start()
                 if want is not None:
-                    alert = {"weights": "SDCWeightFingerprintMismatch", "replay": "SDCReplayMismatch",
-                             "grad_local": "SDCNonFiniteGradient", "grad_reduced": "SDCCommunicationCorruption"}
-                    page = stack.wait_for_alert(alert[want[0][0]], timeout=args.page_timeout)
+                    page = stack.wait_for_alert(SUSPECT_ALERTS[want[0][0]], timeout=args.page_timeout)
+                    drained = _wait_for_line(drains, timeout=30.0)
                 Path(stop_file).touch()
                 trainer.join()
         else:
-            train()
+            train(plan)
     finally:
         Path(stop_file).touch()
     if failure:
@@ -116,8 +130,48 @@ def demo(args: argparse.Namespace) -> int:
     elif stack_cls is not None and want is not None:
         print("no page arrived from Alertmanager in time", file=sys.stderr)
         ok = False
+    if drained is not None:
+        print(f"responder drained the node (recorder in place of scontrol): {' '.join(drained)}")
+    elif stack_cls is not None and want is not None:
+        print("the responder did not act on the page in time", file=sys.stderr)
+        ok = False
+    ok = _check_checkpoint(results, want) and ok
     tmp.cleanup()
     return 0 if ok else 1
+
+
+# Appends its arguments (after the file name) as one JSON line to the file named by its first argument.
+_RECORDER = "import json, sys; open(sys.argv[1], 'a').write(json.dumps(sys.argv[2:]) + chr(10))"
+
+
+def _wait_for_line(path: Path, timeout: float) -> list[str] | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            first: list[str] = json.loads(path.read_text().splitlines()[0])
+            return first
+        time.sleep(0.1)
+    return None
+
+
+def _check_checkpoint(results: list[dict[str, Any]], want: tuple[tuple[str, ...], int, int] | None) -> bool:
+    """Verify the demo's checkpoint against its certificate, and say whether it predates the incident."""
+    import torch
+
+    from .certificate import WeightCertificate
+
+    path = results[0].get("checkpoint") if results else None
+    if not path or not Path(path).exists():
+        print("no certified checkpoint was saved (the run stopped before the certification step)")
+        return want is None or want[1] <= results[0]["plan"]["certify_step"]
+    ckpt = torch.load(path, weights_only=True)
+    cert = WeightCertificate.from_dict(ckpt["sdc_certificate"])
+    bad = cert.verify(ckpt["model"])
+    before = want is None or cert.step < want[1]
+    print(f"checkpoint of step {cert.step}: {'intact' if not bad else 'DIFFERS in ' + ', '.join(bad)} "
+          f"({len(cert.fingerprints)} tensors verified)"
+          + (f"; certified before the incident at step {want[1]}: resume from it" if want and before else ""))
+    return not bad and before
 
 
 def _verdicts(result: dict[str, Any]) -> list[tuple[Any, ...]]:

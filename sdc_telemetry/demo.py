@@ -48,6 +48,8 @@ class DemoPlan:
     progress_every: int = 5
     close_scrape_wait_s: float = 8.0  # close() lets Prometheus see the clean end at most this long (0 without one)
     alertmanager_url: str | None = None
+    checkpoint_dir: str | None = None  # rank 0 saves a certified checkpoint here at certify_step
+    certify_step: int = 10
     seed: int = 0
 
 
@@ -118,6 +120,7 @@ def run_rank(rank: int, world: int, plan: DemoPlan) -> dict[str, Any]:
                          observer=telemetry)
     gen = torch.Generator().manual_seed(1000 + rank)
     stopped: int | None = None
+    checkpoint: str | None = None
     start = time.perf_counter()
     loss = torch.zeros(())
     try:
@@ -128,6 +131,8 @@ def run_rank(rank: int, world: int, plan: DemoPlan) -> dict[str, Any]:
                 st.backward(loss)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if plan.checkpoint_dir and step == plan.certify_step:
+                checkpoint = _save_certified(monitor, model, plan.checkpoint_dir, step, rank)
             if rank == 0 and plan.progress_every and (step + 1) % plan.progress_every == 0:
                 rate = (step + 1) / (time.perf_counter() - start)
                 print(f"step {step + 1:4d}/{plan.steps}  loss {loss.item():.4f}  incidents {len(monitor.incidents)}"
@@ -145,7 +150,19 @@ def run_rank(rank: int, world: int, plan: DemoPlan) -> dict[str, Any]:
     monitor.close()
     faults.close()
     return {"incidents": [i.to_dict() for i in monitor.incidents], "stopped_at": stopped, "elapsed_s": elapsed,
-            "fired": faults.fired, "plan": asdict(plan)}
+            "fired": faults.fired, "plan": asdict(plan), "checkpoint": checkpoint}
+
+
+def _save_certified(monitor: SDCMonitor, model: DistributedDataParallel, directory: str, step: int,
+                    rank: int) -> str:
+    """Certify on every rank (collective), save the checkpoint with its certificate from rank 0."""
+    cert = monitor.certificate()
+    path = os.path.join(directory, f"checkpoint-{step}.pt")
+    if rank == 0:
+        torch.save({"model": model.module.state_dict(), "sdc_certificate": cert.to_dict(), "step": step}, path)
+        print(f"step {step}: checkpoint saved with its weight certificate ({len(cert.fingerprints)} tensors): {path}",
+              flush=True)
+    return path
 
 
 def _serve(plan: DemoPlan) -> None:

@@ -118,18 +118,20 @@ class LocalStack:
     ``targets``: ``host:port`` of the ranks' metrics endpoints. ``workdir``: where configs, data and logs go (a
     temporary directory, removed on stop, when None). ``scrape_interval`` / ``evaluation_interval`` are short by
     default so that a page arrives within seconds of the event. ``responder``: also route critical SDC alerts to
-    ``<webhook_url>/responder``, as the shipped routing sends them to ``sdc-telemetry respond``.
+    ``<webhook_url>/responder``, as the shipped routing sends them to ``sdc-telemetry respond``; ``responder_url``
+    sends them to a real responder there instead.
     """
 
     def __init__(self, targets: Sequence[str] = (), workdir: str | Path | None = None, *,
                  scrape_interval: str = "1s", evaluation_interval: str = "1s", startup_timeout: float = 30.0,
                  prometheus_bin: str | None = None, alertmanager_bin: str | None = None,
-                 responder: bool = False) -> None:
+                 responder: bool = False, responder_url: str | None = None) -> None:
         self.targets = list(targets)
         self.scrape_interval = scrape_interval
         self.evaluation_interval = evaluation_interval
         self.startup_timeout = startup_timeout
         self.responder = responder
+        self._responder_url = responder_url
         self._prometheus_bin = prometheus_bin or _which(PROMETHEUS_NAMES)
         self._alertmanager_bin = alertmanager_bin or _which(ALERTMANAGER_NAMES)
         self._own_workdir = workdir is None
@@ -188,7 +190,8 @@ class LocalStack:
 
         am_port, prom_port = _free_port(), _free_port()
         am_config = alertmanager_config(f"{self.webhook_url}/pager", f"{self.webhook_url}/ticket", fast=True,
-                                        responder_url=f"{self.webhook_url}/responder" if self.responder else None)
+                                        responder_url=self._responder_url or
+                                        (f"{self.webhook_url}/responder" if self.responder else None))
         (base / "alertmanager.yml").write_text(yaml.safe_dump(am_config, sort_keys=False))
         self.alertmanager_url = f"http://127.0.0.1:{am_port}"
         self._spawn("alertmanager", [self._alertmanager_bin, f"--config.file={base / 'alertmanager.yml'}",
