@@ -5,7 +5,7 @@
     python benchmarks/fingerprint.py --quick          # tiny sizes (the smoke test)
 
 ``torch.sum`` reads every byte once: it is the practical ceiling of a one-pass fingerprint. ``sdc.fingerprint`` is
-position-sensitive and still reads the data once: a strided block sum (1021-word rows, 128 rows a block) leaves 1/128
+position-sensitive and still reads the data once: a strided block sum (4093-word rows, 128 rows a block) leaves 1/128
 of the data, which is then mixed and weighted by position; what it costs beyond ``torch.sum`` is that strided read
 and the small second stage. ``torch.hash_tensor`` (xor of the elements widened to 64 bits) is not position-sensitive,
 and flips of the same bit in two elements cancel. SHA-1 of a host copy is

@@ -1,7 +1,7 @@
 """Exact, position-sensitive tensor fingerprints: one read of the data, on the tensor's device, no host sync.
 
 Definition. A tensor's bytes, in row-major (logical) element order, are read as little-endian 64-bit words
-``w[0..n)`` (a trailing partial word is zero-padded). The words are laid out as rows of ``K = 1021`` words, and
+``w[0..n)`` (a trailing partial word is zero-padded). The words are laid out as rows of ``K = 4093`` words, and
 every ``B = 128`` rows form a block (the last block may have fewer rows). Each block is summed over its rows into
 ``K`` column sums; the words after the last whole row are kept on their own. Call the result, in order, the
 partial sums ``p[0..m)``. Then
@@ -15,7 +15,11 @@ Why this shape:
 - Integer arithmetic mod 2**64 does not depend on the order of the additions, so the result is exact and identical
   whatever the thread count or device: two replicas compare rows with ``==``.
 - Speed: a weight per word would cost a multiply pass over all of the data. The block sum is one read of the data
-  (a strided ``sum``, memory-bound like ``torch.sum``) and leaves 1/128 of it, small enough to mix and weight.
+  and leaves 1/128 of it, small enough to mix and weight. It is a strided reduction: on CPU one core runs it at
+  about 2/3 of ``torch.sum``'s speed (summing 32 rows, then 4 of those sums, is the fastest schedule found), so it
+  keeps up with memory from two cores on; GPUs reduce a strided dimension at full bandwidth.
+- Changing ``B``, ``K``, ``mix`` or ``h`` changes every fingerprint, including those saved in weight
+  certificates: the reference test pins the definition.
 - ``K`` is an odd prime, so row lengths of power-of-two layer widths never line up with it.
 - ``mix`` is not linear on purpose: with linear weights, exchanging two words that differ only in their top bit
   (``1.5`` and ``-1.5`` in float64, ``0.0`` and ``-0.0`` as the last element of a word) changes the sum by
@@ -33,13 +37,14 @@ What is guaranteed, exactly:
   ``i % K == j % K``, or both in the last block's rows with ``i % K == j % K``) share a partial sum. A change
   is invisible when it only exchanges words among such positions (or its deltas cancel within one such group).
   For a matrix whose rows are ``L`` words long, that takes swapping rows ``d`` apart with ``d * L`` a multiple of
-  1021 inside one ~1 MiB block: rows of at most 127 words (1016 bytes) that are 1021 rows apart, or rows whose
-  length is a multiple of 1021 words. Tensors under 1021 words (8 KiB) have no structural blind spot at all.
+  4093 inside one 4 MiB block: rows of at most 127 words (1016 bytes) that are 4093 rows apart, or rows whose
+  length is a multiple of 4093 words. Tensors under 4093 words (32 KiB) have no structural blind spot at all.
 - ``digest`` folds a table of rows into one word the same way (mix, then weight by position).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 
@@ -49,7 +54,8 @@ __all__ = ["digest", "fingerprint"]
 
 _WORD = 8
 _B = 128  # rows summed per block: the partial sums are 1/_B of the data
-_K = 1021  # columns per block: an odd prime, never a divisor of power-of-two row lengths
+_K = 4093  # columns per block: an odd prime, never a divisor of power-of-two row lengths
+_STAGE = 32  # rows summed by the first of two reduction passes (a schedule, not part of the definition)
 
 # Constants of splitmix64 (Steele et al.), as signed int64: odd multipliers with good bit diffusion.
 _GOLDEN = 0x9E3779B97F4A7C15 - 2**64
@@ -122,6 +128,16 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return raw.view(torch.int64)
 
 
+def _column_sums(rows: torch.Tensor) -> torch.Tensor:
+    """``rows.sum(0)`` for a ``(q, k)`` int64 view, summing 32 rows at a time first (the same integers, faster)."""
+    q, k = rows.shape
+    staged = q // _STAGE * _STAGE
+    if staged == 0:
+        return rows.sum(0)
+    total = rows[:staged].view(-1, _STAGE, k).sum(1).sum(0)
+    return total if staged == q else total + rows[staged:].sum(0)
+
+
 def _partials(words: torch.Tensor, b: int, k: int) -> list[torch.Tensor]:
     """The partial sums, in order: column sums of each block of ``b`` rows of ``k`` words, of the last block (fewer
     rows), then the words after the last whole row, each on its own."""
@@ -130,9 +146,12 @@ def _partials(words: torch.Tensor, b: int, k: int) -> list[torch.Tensor]:
     rows = n // k * k
     parts = []
     if whole:
-        parts.append(words[:whole].view(-1, b, k).sum(1).view(-1))
+        # Summing 32 rows, then the 4 sums, gives the same integers as summing 128 rows at once, and is faster
+        # on CPU: the strided reduction keeps up with memory only with few rows in flight.
+        stage = math.gcd(b, _STAGE)
+        parts.append(words[:whole].view(-1, b // stage, stage, k).sum(2).sum(1).view(-1))
     if rows > whole:
-        parts.append(words[whole:rows].view(-1, k).sum(0))
+        parts.append(_column_sums(words[whole:rows].view(-1, k)))
     if rows < n:
         parts.append(words[rows:])
     return parts
