@@ -171,6 +171,19 @@ def busy_cpus(window_s: float = 0.5) -> float | None:
     return cpus * (busy1 - busy0) / max(total1 - total0, 1)
 
 
+def wait_until_quiet(max_wait_s: float, busy_fraction: float = 0.25, poll_s: float = 2.0) -> float | None:
+    """Wait (up to ``max_wait_s``) until other work keeps under ``busy_fraction`` of the CPUs busy.
+
+    On a shared machine a few seconds of waiting buys figures that mean something. Returns the last busy-CPU
+    reading (None where unknown).
+    """
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        busy = busy_cpus(poll_s)
+        if busy is None or busy < busy_fraction * (os.cpu_count() or 1) or time.monotonic() >= deadline:
+            return busy
+
+
 def load_warning() -> str | None:
     """A line to print when other work is running on the machine (its timings would be unreliable)."""
     busy = busy_cpus()

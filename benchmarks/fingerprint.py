@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import load_warning, median, table, write_json
+from _common import load_warning, median, table, wait_until_quiet, write_json
 
 import sdc_telemetry as sdc
 
@@ -197,7 +197,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--min-time", type=float, default=0.5, help="seconds of repetitions per method (default 0.5)")
     p.add_argument("--sizes-mib", type=float, nargs="+", help="tensor sizes in MiB (default 1 16 64 256 1024)")
     p.add_argument("--out-dir", help="where fingerprint.json goes (default benchmarks/results)")
+    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                   help="first wait up to this long for other work on the machine to stop (default 0)")
     a = p.parse_args(argv)
+    if a.wait_quiet > 0:
+        wait_until_quiet(a.wait_quiet)
     if a.quick:
         run(sizes_mib=a.sizes_mib or (0.25, 1), list_layers=2, list_dim=64, list_vocab=512, small_count=50,
             device=a.device, min_time=0.0, out_dir=a.out_dir)
