@@ -32,31 +32,46 @@ class Agreement:
     process group (one process): the vector is its own MAX and MIN.
     """
 
-    def __init__(self, vec: torch.Tensor, group: dist.ProcessGroup | None, distributed: bool = True) -> None:
+    def __init__(self, vec: torch.Tensor, group: dist.ProcessGroup | None, distributed: bool = True,
+                 local: torch.Tensor | None = None) -> None:
         self.size = vec.numel()
+        # This rank's own float64 values (gradient norms for telemetry), read back with the verdict.
+        self._local = local.detach().to(torch.float64) if local is not None else torch.zeros(0, dtype=torch.float64)
         vec = vec.to(torch.int64)
         both = torch.cat([vec, torch.bitwise_not(vec)])
         if distributed:
             both = both.to(collective_device(group))
             dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
         self._event: torch.cuda.Event | None = None
-        if both.is_cuda:
+        if both.is_cuda or self._local.is_cuda:
             host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
             host.copy_(both, non_blocking=True)
+            local_host = torch.empty(self._local.shape, dtype=torch.float64, pin_memory=True)
+            local_host.copy_(self._local, non_blocking=True)
             self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self._event.record()
-            both = host
+            both, self._local = host, local_host
         self._both = both
         self._result: tuple[list[int], list[int]] | None = None
 
     def ready(self) -> bool:
         return self._event is None or bool(self._event.query())  # type: ignore[no-untyped-call]
 
+    def _wait(self) -> None:
+        # One step later the event has long completed: query() reads a flag and never blocks; synchronize() is the
+        # fallback for a verdict wanted at once (audits, on-demand checks).
+        if self._event is not None and not self._event.query():  # type: ignore[no-untyped-call]
+            self._event.synchronize()
+
+    def local(self) -> list[float]:
+        """This rank's own values passed as ``local``."""
+        self._wait()
+        return [float(x) for x in self._local.tolist()]
+
     def result(self) -> tuple[list[int], list[int]]:
         """(MAX, MIN) per field as Python ints."""
         if self._result is None:
-            if self._event is not None:
-                self._event.synchronize()
+            self._wait()
             values: list[int] = self._both.tolist()
             self._result = values[:self.size], [~x for x in values[self.size:]]
         return self._result

@@ -18,6 +18,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +49,22 @@ LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 (STEP, LOCAL_MEASURED, LOCAL_NONFINITE, REDUCED_MEASURED, REDUCED_NONFINITE, ERROR, REPEATED, REPLAYABLE, SCALER,
  WEIGHTS_ERROR, DIGEST) = range(11)
 FIELDS = 11
+
+
+@dataclass
+class _Measured:
+    """One rank's measurements at a hook point and the agreement launched on them: what deciding needs, kept
+    until the verdict is read (at once, or one step later on CUDA)."""
+
+    step: int
+    mine: list[int]              # this rank's host-side status fields
+    agreement: Agreement
+    weights_due: bool
+    audit: bool
+    table: torch.Tensor | None   # this rank's weight fingerprint table, for a vote on disagreement
+    norms: torch.Tensor          # this rank's per-parameter local-gradient norms (evidence)
+    elapsed: float
+    grads: bool = True           # gradient results belong to this hook point
 
 
 class SDCMonitor:
@@ -162,8 +179,9 @@ class SDCMonitor:
 
         self._next_step = start_step
         self._step = start_step - 1
-        self._mine = [0] * FIELDS
-        self._reduced_norm = torch.tensor(math.nan)
+        self._pending: _Measured | None = None
+        # On CUDA, read healthy verdicts one step later rather than wait for the GPU (the same on every rank).
+        self._defer_verdicts = self.device.type == "cuda"
         self._open = False
         self._scaler_used = False
         self._ended_since_update = True
@@ -193,12 +211,13 @@ class SDCMonitor:
         self._require_open_monitor("verify_weights")
         if self._weights is None:
             return None
-        step = max(self._step, 0)
+        self._settle()
         start = time.perf_counter()
-        vec = self._vector(step, weights=True)
-        high, low = agree(vec, self._group, self._distributed)
-        finding, result = self._weights_verdict(high, low)
-        self._conclude(step, [finding] if finding else [], {"weights": result},
+        m = self._measure(max(self._step, 0), weights=True)
+        m.grads = False
+        high, low = m.agreement.result()
+        finding, result = self._weights_verdict(m, high, low)
+        self._conclude(m, [finding] if finding else [], {"weights": result},
                        {"weights": time.perf_counter() - start}, counts_step=False,
                        weights_agree=None if result in ("error", "skipped")
                        else not (finding and self.rank in finding.suspect_ranks))
@@ -237,7 +256,13 @@ class SDCMonitor:
         The comm hook stays registered (DDP cannot remove it) but only forwards to the wrapped all-reduce."""
         if self._closed:
             return
-        self._closed = True
+        try:
+            self._settle()  # a verdict still in flight (CUDA) is decided, and raised, before the monitor stops
+        finally:
+            self._closed = True
+            self._stop()
+
+    def _stop(self) -> None:
         for h in self._handles:
             h.remove()
         if self._replay is not None:
@@ -289,153 +314,179 @@ class SDCMonitor:
             self._replay.drop()
 
     def _end_step(self) -> None:
-        """The end of the step on every rank: measure, agree, decide, respond."""
+        """The end of the step on every rank: measure, agree, decide, respond.
+
+        On CUDA a healthy step's verdict is read one step later (the agreement's result lands in pinned memory
+        behind an event), so the CPU never waits for the GPU here; an audit step, ``verify_weights()``,
+        ``certificate()`` and ``close()`` decide at once. Every rank defers the same way, so collectives match."""
         step = self._step
         self._open = False
         self._next_step = step + 1
         self._ended_since_update = True
-        start = time.perf_counter()
         weights_due = self._weights is not None and self.config.weights_every > 0 \
             and step % self.config.weights_every == 0
         audit = self._replay is not None and self._replay.due(step)
-        vec = self._vector(step, weights=weights_due, audit=audit)
-        high, low = Agreement(vec, self._group, self._distributed).result()
-        durations = {"grad": time.perf_counter() - start}
+        deferred = self._defer_verdicts and not audit
+        measured = self._measure(step, weights=weights_due, audit=audit, snapshot=deferred)
+        previous, self._pending = self._pending, (measured if deferred else None)
+        if previous is not None:
+            self._decide(previous)
+        if not deferred:
+            self._decide(measured)
+
+    def _settle(self) -> None:
+        """Decide a deferred step now (before an on-demand check or closing)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._decide(pending)
+
+    def _decide(self, m: _Measured) -> None:
+        high, low = m.agreement.result()
+        durations = {"grad": m.elapsed}
         results: dict[str, str] = {}
         findings: list[Finding] = []
         if high[STEP] != low[STEP]:
             self._warn_once("out-of-step", "sdc_telemetry: ranks disagree on the step index (%d..%d): the training "
                             "loops are out of step; checks of this step are counted as errors", low[STEP], high[STEP])
             due = [*(("grad_local", "grad_reduced") if self.config.grad_checks else ()),
-                   *(("weights",) if weights_due else ()), *(("replay",) if audit else ())]
-            self._conclude(step, [], dict.fromkeys(due, "error"), {}, errors=("monitor",))
+                   *(("weights",) if m.weights_due else ()), *(("replay",) if m.audit else ())]
+            self._conclude(m, [], dict.fromkeys(due, "error"), {}, errors=("monitor",))
             return
         if self.config.grad_checks:
-            finding = self._grad_verdict(high, low)
-            results.update(self._grad_results(finding, high))
+            finding = self._grad_verdict(m, high, low)
+            results.update(self._grad_results(m, finding))
             if finding is not None:
                 findings.append(finding)
         weights_agree: bool | None = None
-        if weights_due:
+        if m.weights_due:
             t = time.perf_counter()
-            finding, results["weights"] = self._weights_verdict(high, low)
-            durations["weights"] = time.perf_counter() - t
+            finding, results["weights"] = self._weights_verdict(m, high, low)
+            durations["weights"] = time.perf_counter() - t + m.elapsed
             if results["weights"] in ("pass", "fail"):
                 weights_agree = not (finding and self.rank in finding.suspect_ranks)
             if finding is not None:
                 findings.append(finding)
         replay: ReplayDeltas | None = None
-        if audit:
+        if m.audit:
             t = time.perf_counter()
-            finding, results["replay"], replay = self._replay_verdict(step, high, low, findings)
+            finding, results["replay"], replay = self._replay_verdict(m.step, high, low, findings)
             durations["replay"] = time.perf_counter() - t
             if finding is not None:
                 findings.append(finding)
         durations = {c: durations["grad"] if c.startswith("grad") else durations[c] for c in results}
         errors = ("replay",) if results.get("replay") == "error" else ()
-        self._conclude(step, findings, results, durations, replay=replay, weights_agree=weights_agree,
-                       errors=errors)
+        self._conclude(m, findings, results, durations, replay=replay, weights_agree=weights_agree, errors=errors)
 
     # -- measuring -----------------------------------------------------------------------------------------------
 
-    def _vector(self, step: int, *, weights: bool, audit: bool = False) -> torch.Tensor:
-        """This rank's status vector (on the measuring device, no host synchronisation)."""
+    def _measure(self, step: int, *, weights: bool, audit: bool = False, snapshot: bool = False) -> _Measured:
+        """This rank's measurements and the launched agreement (no host synchronisation). ``snapshot`` keeps copies
+        of what the next step overwrites, for a verdict read one step later."""
+        start = time.perf_counter()
         host = [0] * FIELDS
         host[STEP] = step
         host[SCALER] = int(self._scaler_used)
         nonfinite = torch.zeros(2, dtype=torch.int64, device=self.device)
         digest = torch.zeros(1, dtype=torch.int64, device=self.device)
+        norms = torch.full((2,), math.nan, dtype=torch.float64, device=self.device)  # local, reduced
+        record = self._record
+        reduced_norm: torch.Tensor | None = None
         try:
-            record = self._record
             if not self._distributed and self.config.grad_checks:
                 record.measure_local()
             if self.config.grad_checks or audit:
                 host[LOCAL_MEASURED] = int(record.measured)
                 host[REPEATED] = int(record.repeated)
                 if record.measured:
-                    nonfinite[0] = ~torch.isfinite(record.total_norm())
+                    local_norm = record.total_norm()
+                    nonfinite[0] = ~torch.isfinite(local_norm)
+                    norms[0] = local_norm
                 if self.config.grad_checks and self._distributed:
-                    reduced = grad_check.reduced_norms(self._params, self.device)
-                    self._reduced_norm = torch.linalg.vector_norm(reduced)
+                    reduced_norm = torch.linalg.vector_norm(grad_check.reduced_norms(self._params, self.device))
                     host[REDUCED_MEASURED] = int(any(p.grad is not None for p in self._params))
-                    nonfinite[1] = ~torch.isfinite(self._reduced_norm)
+                    nonfinite[1] = ~torch.isfinite(reduced_norm)
+                    norms[1] = reduced_norm
             host[REPLAYABLE] = int(audit and self._replay is not None and self._replay.ready())
         except Exception:  # noqa: BLE001 - contained; the agreement below must still run on this rank
             self._internal_error("grad", "measuring gradients failed")
             host[ERROR] = 1
+        table = None
         if weights:
             try:
                 if self._weights is None:
                     raise RuntimeError("no replicas to compare")
                 digest = self._weights.measure().reshape(1)
+                table = self._weights.table
             except Exception:  # noqa: BLE001
                 self._internal_error("weights", "fingerprinting the parameters failed")
                 host[WEIGHTS_ERROR] = 1
-        self._mine = host
         fixed = torch.tensor(host, dtype=torch.int64)
         # Pinned and non-blocking on CUDA: building the vector never waits for the GPU.
-        out = fixed.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else fixed
-        out[LOCAL_NONFINITE] = nonfinite[0]
-        out[REDUCED_NONFINITE] = nonfinite[1]
-        out[DIGEST] = digest[0]
-        return out
+        vec = fixed.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else fixed
+        vec[LOCAL_NONFINITE] = nonfinite[0]
+        vec[REDUCED_NONFINITE] = nonfinite[1]
+        vec[DIGEST] = digest[0]
+        agreement = Agreement(vec, self._group, self._distributed, local=norms)
+        return _Measured(step=step, mine=host, agreement=agreement, weights_due=weights, audit=audit, table=table,
+                         norms=record.norms.clone() if snapshot else record.norms,
+                         elapsed=time.perf_counter() - start)
 
     # -- deciding ------------------------------------------------------------------------------------------------
 
-    def _grad_verdict(self, high: list[int], low: list[int]) -> Finding | None:
+    def _grad_verdict(self, m: _Measured, high: list[int], low: list[int]) -> Finding | None:
         if not (high[LOCAL_NONFINITE] or high[REDUCED_NONFINITE]):
             return None
         fields = (LOCAL_MEASURED, LOCAL_NONFINITE, REDUCED_MEASURED, REDUCED_NONFINITE)
         if all(high[f] == low[f] for f in fields):  # every rank alike: no per-rank detail needed
             rows = [grad_check.GradStatus(r, *(bool(high[f]) for f in fields)) for r in self._ranks]
         else:  # rare path: who?
-            mine = torch.tensor([int(self._record.measured), bits(float(self._record.total_norm())),
-                                 bits(float(self._reduced_norm))], dtype=torch.int64)
+            local, reduced = m.agreement.local()
+            mine = torch.tensor([m.mine[LOCAL_MEASURED], bits(local), bits(reduced)], dtype=torch.int64)
             gathered = gather_rows(mine, self._group) if self._distributed else [mine.tolist()]
             rows = []
             for r, g in zip(self._ranks, gathered, strict=True):
-                local, reduced = unbits(g[1]), unbits(g[2])
-                rows.append(grad_check.GradStatus(r, bool(g[0]), bool(g[0]) and not math.isfinite(local),
-                                                  self._distributed, self._distributed and not math.isfinite(reduced),
-                                                  local, reduced))
+                loc, red = unbits(g[1]), unbits(g[2])
+                rows.append(grad_check.GradStatus(r, bool(g[0]), bool(g[0]) and not math.isfinite(loc),
+                                                  self._distributed, self._distributed and not math.isfinite(red),
+                                                  loc, red))
         finding = self._guard("grad", grad_check.decide, rows, overflow_expected=bool(high[SCALER]))
         if finding is not None and finding.suspect_ranks and finding.check == "grad_local":
-            finding = self._with_nonfinite_names(finding)
+            finding = self._with_nonfinite_names(m, finding)
         return finding  # type: ignore[no-any-return]
 
-    def _grad_results(self, finding: Finding | None, high: list[int]) -> dict[str, str]:
+    def _grad_results(self, m: _Measured, finding: Finding | None) -> dict[str, str]:
         """This rank's results: a rank that measured nothing (or failed to) never counts a pass."""
-        if self._mine[ERROR]:
+        if m.mine[ERROR]:
             return {"grad_local": "error", **({"grad_reduced": "error"} if self._distributed else {})}
-        out = {"grad_local": "skipped" if not self._mine[LOCAL_MEASURED] else
+        out = {"grad_local": "skipped" if not m.mine[LOCAL_MEASURED] else
                "fail" if finding is not None and finding.check == "grad_local" else "pass"}
         if self._distributed:
-            out["grad_reduced"] = "skipped" if not self._mine[REDUCED_MEASURED] else \
+            out["grad_reduced"] = "skipped" if not m.mine[REDUCED_MEASURED] else \
                 "fail" if finding is not None else "pass"
         return out
 
-    def _with_nonfinite_names(self, finding: Finding) -> Finding:
+    def _with_nonfinite_names(self, m: _Measured, finding: Finding) -> Finding:
         """Rare path: which parameters the suspects' local gradients (before any clipping) were non-finite in."""
         mine: list[str] = []
         if self.rank in finding.suspect_ranks:
-            norms = self._record.norms.tolist()
-            mine = [self._names[i] for i, n in enumerate(norms) if not math.isfinite(n)][:16]
+            mine = [self._names[i] for i, n in enumerate(m.norms.tolist()) if not math.isfinite(n)][:16]
         names = gather_objects(mine, self._group) if self._distributed else [mine]
         evidence = dict(finding.evidence)
         evidence["nonfinite_parameters"] = {str(self._ranks[i]): n for i, n in enumerate(names)
                                             if self._ranks[i] in finding.suspect_ranks}
         return Finding(finding.check, finding.suspect_ranks, evidence)
 
-    def _weights_verdict(self, high: list[int], low: list[int]) -> tuple[Finding | None, str]:
+    def _weights_verdict(self, m: _Measured, high: list[int], low: list[int]) -> tuple[Finding | None, str]:
         assert self._weights is not None
         if high[WEIGHTS_ERROR]:
             if self._writer:
                 log.warning("sdc_telemetry: step %d: weight check could not run: a rank failed to fingerprint its "
-                            "parameters", self._step)
-            return None, "error" if self._mine[WEIGHTS_ERROR] else "skipped"
+                            "parameters", m.step)
+            return None, "error" if m.mine[WEIGHTS_ERROR] else "skipped"
         if high[DIGEST] == low[DIGEST]:
             return None, "pass"
-        finding = self._weights.gather()
+        assert m.table is not None
+        finding = self._weights.gather(m.table)
         return finding, "fail" if finding is not None else "pass"
 
     def _replay_verdict(self, step: int, high: list[int], low: list[int], findings: list[Finding]
@@ -472,10 +523,11 @@ class SDCMonitor:
 
     # -- responding ----------------------------------------------------------------------------------------------
 
-    def _conclude(self, step: int, findings: list[Finding], results: dict[str, str], durations: dict[str, float],
+    def _conclude(self, m: _Measured, findings: list[Finding], results: dict[str, str], durations: dict[str, float],
                   *, counts_step: bool = True, replay: ReplayDeltas | None = None, weights_agree: bool | None = None,
                   errors: tuple[str, ...] = ()) -> list[Incident]:
         """Episodes, the incident log, the page, telemetry, and ``SDCDetected`` on every rank when configured."""
+        step = m.step
         opened, touched = self._episodes.observe(step, findings, results, self._suspects)
         if opened and any(i.suspect_ranks for i in opened):
             self._attach_gpu_counters(opened)
@@ -495,7 +547,7 @@ class SDCMonitor:
             if self._pager is not None and incident.suspect_ranks:
                 self._guard("alertmanager", self._pager.page, incident)
         report = StepReport(step=step, counts_step=counts_step, results=results, durations=durations,
-                            grad_norms=self._grad_norms(results), replay=replay, weights_agree=weights_agree,
+                            grad_norms=self._grad_norms(m, results), replay=replay, weights_agree=weights_agree,
                             incidents=tuple(opened),
                             suspect_checks=tuple(i.check for i in opened if self.rank in i.suspect_ranks),
                             errors=errors)
@@ -508,15 +560,15 @@ class SDCMonitor:
     def _suspects(self, ranks: tuple[int, ...]) -> tuple[RankIdentity, ...]:
         return tuple(self.identities.get(r, RankIdentity(r, -1, "unknown", "unknown")) for r in ranks)
 
-    def _grad_norms(self, results: dict[str, str]) -> dict[str, float]:
+    def _grad_norms(self, m: _Measured, results: dict[str, str]) -> dict[str, float]:
+        if not m.grads:
+            return {}
+        local, reduced = m.agreement.local()
         out: dict[str, float] = {}
-        try:
-            if results.get("grad_local") in ("pass", "fail"):
-                out["local"] = float(self._record.total_norm())
-            if results.get("grad_reduced") in ("pass", "fail"):
-                out["reduced"] = float(self._reduced_norm)
-        except Exception:
-            log.debug("sdc_telemetry: reading gradient norms failed", exc_info=True)
+        if results.get("grad_local") in ("pass", "fail"):
+            out["local"] = local
+        if results.get("grad_reduced") in ("pass", "fail"):
+            out["reduced"] = reduced
         return out
 
     def _attach_gpu_counters(self, incidents: list[Incident]) -> None:

@@ -44,11 +44,11 @@ class WeightsCheck:
         assert self.table is not None
         return self.table
 
-    def gather(self) -> Finding | None:
-        """Rare path (digests differ): gather every rank's table and vote, within numerics classes."""
-        assert self.table is not None
-        cols = self.table.shape[1]
-        rows = gather_rows(self.table.reshape(-1), self._group)
+    def gather(self, table: torch.Tensor) -> Finding | None:
+        """Rare path (digests differ): gather every rank's ``table`` (of the step being decided) and vote, within
+        numerics classes."""
+        cols = table.shape[1]
+        rows = gather_rows(table.reshape(-1), self._group)
         tables = [[tuple(r[i * cols:(i + 1) * cols]) for i in range(len(self.names))] for r in rows]
         finding = decide(tables, self._ranks, self.names, self._classes)
         ref = finding.evidence.get("majority_rank") if finding is not None else None

@@ -130,6 +130,9 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
         os.environ.pop("SDC_NUMERICS_SIGNATURE", None)
     if sc.get("watch_state"):
         opt.register_step_pre_hook(lambda *_: undisturbed.append(_same_state(snapshots[-1], _state(net))))
+    if sc.get("defer"):  # the CUDA policy (verdicts read one step later), exercised on CPU ranks
+        monitor._defer_verdicts = True
+    stopped_in_step = None
     if sc.get("bad_batch"):
         try:
             with monitor.step({"x": torch.ones(2, 16), "meta": [1, object()]}):
@@ -194,6 +197,7 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
                 inc = monitor.verify_weights()
                 verified.append(None if inc is None else (inc.step, inc.check, list(inc.suspect_ranks)))
     except sdc.SDCDetected as e:
+        stopped_in_step = monitor.current_step
         raised_at = e.incident.step
         raised_after_s = time.monotonic() - start
         t = time.monotonic()
@@ -204,6 +208,7 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
     return {
         "incidents": [i.to_dict() for i in monitor.incidents],
         "raised_at": raised_at,
+        "stopped_in_step": stopped_in_step,
         "raised_after_s": raised_after_s,
         "closed_after_s": closed_after_s,
         "weights": {n: p.detach().clone() for n, p in net.named_parameters()},

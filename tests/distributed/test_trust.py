@@ -48,6 +48,10 @@ def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                    "fault": {**flip, "step": 105}},
         "clipped_nan": {"config": {"replay_every": 0}, "steps": 3, "clip": True,
                         "fault": {"kind": "nonfinite_grad", "rank": 0, "step": 1, "param": "fc2.weight", "index": 3}},
+        "deferred_raise": {"config": {"replay_every": 4, "on_suspect": "raise"}, "steps": 8, "defer": True,
+                           "fault": flip},
+        "deferred_record": {"config": {"replay_every": 4}, "steps": 4, "defer": True,
+                            "fault": {**flip, "step": 3}},
         "nested": {"nested": True},
         "bad_dir": {"config": {"incident_dir": "/proc/no-such-dir/x"}},
     }
@@ -155,3 +159,14 @@ def test_misuse_gets_clear_errors_on_every_rank(three_ranks: dict[str, Any]) -> 
     """Nested steps and an unusable incident_dir give a clear error on every rank (not a peer's dropped socket)."""
     assert all("steps do not nest" in r["error"] for r in three_ranks["nested"])
     assert all("incident_dir" in r["error"] and "every rank" in r["error"] for r in three_ranks["bad_dir"])
+
+
+def test_deferred_verdicts_report_the_measured_step_one_step_later(three_ranks: dict[str, Any]) -> None:
+    """The CUDA policy on CPU ranks: a verdict is read at the end of the next step (or at an audit, or at close)
+    and still names the step it was measured in, on every rank."""
+    for r in three_ranks["deferred_raise"]:
+        assert (r["raised_at"], r["stopped_in_step"]) == (3, 4)
+    record = three_ranks["deferred_record"]
+    _same_everywhere(record)
+    assert _verdicts(record[0]) == [(3, "weights", (1,))]  # the last step's verdict was settled by close()
+    assert record[0]["steps_reported"] == [0, 1, 2, 3]
