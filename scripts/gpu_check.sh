@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# GPU check (issue 4), on one CUDA device; CI never runs it. Three parts, each under a timeout (about 8 minutes in
-# all at most, usually under 2):
+# GPU check, on one CUDA device; CI never runs it. Four parts, each under a timeout (about 9 minutes in all at most,
+# usually under 3):
 #   1. the unit tests marked `gpu` (real NVML through the collector and through Telemetry);
 #   2. the real NVML counters of this GPU read by the collector, served on a Prometheus endpoint, scraped over HTTP
 #      and printed per family (fields the GPU does not support are listed as left out);
-#   3. sdc.fingerprint against torch.sum on 1 GiB of bf16 and of fp32 (median of CUDA-event timings, GB/s, ratio).
+#   3. sdc.fingerprint against torch.sum on 1 GiB of bf16 and of fp32 (median of CUDA-event timings, GB/s, ratio);
+#   4. the NCCL path: a one-rank NCCL process group, DDP and the monitor; healthy steps run under
+#      torch.cuda.set_sync_debug_mode("error") (any host synchronisation raises), and a NaN gradient is still
+#      reported, at its own step, when its verdict is read one step later.
 # Usage: scripts/gpu_check.sh            (PY=/path/to/python to use another interpreter than .venv/bin/python)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,11 +23,11 @@ fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv || true
 
 echo
-echo "== 1/3 unit tests marked gpu"
+echo "== 1/4 unit tests marked gpu"
 timeout 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/unit
 
 echo
-echo "== 2/3 real NVML counters through the collector, scraped over HTTP"
+echo "== 2/4 real NVML counters through the collector, scraped over HTTP"
 timeout 90 "$PY" - <<'PYEOF'
 import json
 import socket
@@ -75,7 +78,7 @@ assert {"hw_temperature_celsius", "hw_gpu_memory_usage_bytes"} <= seen, "basic N
 PYEOF
 
 echo
-echo "== 3/3 sdc.fingerprint vs torch.sum on 1 GiB"
+echo "== 3/4 sdc.fingerprint vs torch.sum on 1 GiB"
 timeout 180 "$PY" - <<'PYEOF'
 import torch
 
@@ -118,6 +121,63 @@ for dtype in (torch.bfloat16, torch.float32):
           f"torch.sum {t_sum * 1e3:7.3f} ms ({GIB / t_sum / 1e9:6.0f} GB/s)   fingerprint/sum = {t_fp / t_sum:.2f}")
     del x, flat
     torch.cuda.empty_cache()
+PYEOF
+
+echo
+echo "== 4/4 NCCL path: no host synchronisation on healthy steps"
+timeout 120 "$PY" - <<'PYEOF'
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import sdc_telemetry as sdc
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", rank=0, world_size=1)
+model = DistributedDataParallel(nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 16)).cuda(),
+                                device_ids=[0])
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+monitor = sdc.SDCMonitor(model, opt, config=sdc.SDCConfig(replay_every=0, metrics_port=None, nvml=False))
+assert monitor._defer_verdicts, "CUDA verdicts should be read one step later"
+
+
+def step(poison: bool = False) -> None:
+    x = torch.randn(64, 256, device="cuda")
+    if poison:
+        x[0, 0] = float("nan")
+    with monitor.step() as st:
+        st.backward(model(x).square().mean())
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+
+
+for _ in range(3):  # warm-up: DDP bucket rebuild, cached index tensors, pinned-memory pool
+    step()
+torch.cuda.synchronize()
+torch.cuda.set_sync_debug_mode("error")
+try:
+    for _ in range(10):
+        step()
+    fps = sdc.fingerprint([p.detach() for p in model.parameters()])
+    sdc.digest(fps)
+finally:
+    torch.cuda.set_sync_debug_mode(0)
+print("10 healthy monitored steps and a weight digest ran with set_sync_debug_mode('error'): no host sync")
+poisoned = monitor.current_step + 1
+step(poison=True)
+step()
+monitor.close()
+found = [(i.step, i.check, i.evidence.get("verdict")) for i in monitor.incidents]
+print("incidents:", found)
+assert found and found[0][:2] == (poisoned, "grad_local"), found
+dist.destroy_process_group()
 PYEOF
 
 echo
