@@ -155,6 +155,8 @@ def test_docker_compose_config_validates() -> None:
     """`docker compose config` accepts the file (only where Docker Compose is installed)."""
     cli = _compose_cli()
     if cli is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI=true: docker-compose must be installed (.ci/run installs Debian's package)")
         pytest.skip("neither `docker compose` nor docker-compose is installed")
     # Without our PYTHONPATH: the legacy docker-compose is a Python program and must not import this interpreter's
     # standard library (its _ssl fails to load under another Python).
