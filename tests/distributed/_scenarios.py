@@ -180,6 +180,10 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
                     for i, mb in enumerate(micro):
                         step.micro_batch(mb)
                         last = i == accumulate - 1 or not no_sync
+                        if sc.get("toggle_sync"):  # nanoGPT's way: sync only on the last micro-step
+                            ddp.require_backward_grad_sync = last
+                            step.backward(loss_fn(ddp, mb), scale=1 / accumulate, scaler=scaler)
+                            continue
                         with contextlib.nullcontext() if last else ddp.no_sync():
                             step.backward(loss_fn(ddp, mb), scale=1 / accumulate, scaler=scaler)
             if sc.get("clip"):

@@ -42,6 +42,8 @@ def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "verify_row_swap": {"config": {"replay_every": 0, "weights_every": 0}, "steps": 4,
                             "swap_after": {"step": 2, "rank": 2, "param": "fc1.weight", "rows": (3, 7)}},
         "mixed_cluster": {"config": {"replay_every": 2}, "steps": 6, "signature_by_rank": True},
+        "toggle_sync": {"config": {"replay_every": 2}, "steps": 4, "accumulate": 3, "toggle_sync": True,
+                        "fault": {"kind": "perturb_output", "rank": 2, "step": 2, "module": "fc1", "relative": 1e-3}},
         "namedtuple": {"config": {"replay_every": 1}, "steps": 3, "batch_type": "namedtuple", "loss": "tuple"},
         "ordereddict": {"config": {"replay_every": 1}, "steps": 3, "batch_type": "ordereddict"},
         "resume": {"config": {"replay_every": 4}, "steps": 8, "start_step": 100,
@@ -137,6 +139,14 @@ def test_namedtuple_and_ordereddict_batches_replay(three_ranks: dict[str, Any]) 
     for name in ("namedtuple", "ordereddict"):
         for r in three_ranks[name]:
             assert not r["incidents"] and r["counts"]["replay"] == {"pass": 3}, (name, r["counts"])
+
+
+def test_nanogpt_sync_toggle_accumulation_is_audited(three_ranks: dict[str, Any]) -> None:
+    """Accumulation by toggling require_backward_grad_sync: audits replay all micro-batches and name a faulty rank."""
+    per_rank = three_ranks["toggle_sync"]
+    _same_everywhere(per_rank)
+    assert _verdicts(per_rank[0]) == [(2, "replay", (2,))]
+    assert per_rank[0]["counts"]["replay"] == {"pass": 1, "fail": 1}
 
 
 def test_resume_counts_from_start_step(three_ranks: dict[str, Any]) -> None:
