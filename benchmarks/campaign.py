@@ -7,7 +7,11 @@
 Each trial trains a small model (a tiny GPT or an MLP, both with dropout) for ``steps`` steps on 3 ranks with
 ``SDCConfig(weights_every=1, replay_every=3, on_suspect="record")`` and, unless it is a healthy run, one fault drawn at
 random through the public ``sdc_telemetry.faults.FaultInjector`` API: kind, rank, step, tensor or module, element,
-bit, value or magnitude. Several trials share one spawn of the ranks.
+bit, value or magnitude, or two swapped rows of a weight (a permutation: same values, wrong places). One kind is not
+a hardware fault: a NaN in every rank's batch at one step (the MLP, whose inputs are floats), which must be recorded
+as a ``numerics`` event and never name a suspect. A third of the trials of every kind train with a
+``torch.amp.GradScaler("cpu")`` (``step.backward(loss, scaler=scaler)``, ``scaler.step(opt)``, ``scaler.update()``).
+Several trials share one spawn of the ranks.
 
 Outcome classes are decided from ground truth measured beside the monitor (never from the monitor's verdict):
 - weight bit flip: ``to non-finite`` when the flipped value is NaN or Inf; ``absorbed by the update`` when, after the
@@ -17,13 +21,18 @@ Outcome classes are decided from ground truth measured beside the monitor (never
   a transient one is ``off audit step`` when it hits a step that replay does not audit (by design, replay samples).
 - reduced-gradient corruption with a finite value: ``no weight divergence`` when the replicas' weights (SHA-1 of a
   host copy, all-gathered each step) never differ within the trial.
+- row swap: ``rows equal (no-op)`` when the replicas' weights do not differ after the fault step (the two rows held
+  the same values, as a freshly initialised LayerNorm's do).
 Classes that cannot change the outcome, or sit outside what a check samples, are reported on their own rows.
 
 Scoring: a fault is detected when any incident comes at or after its step; latency is the first such incident's step
 minus the fault's step; the attribution is right when that first verdict names the faulty rank alone. Per check,
 ``first / any`` counts the trials where the check was among the first verdicts / raised an incident at all after the
 fault (later incidents are often consequences: a NaN update makes the next local gradients NaN). Incidents before
-the fault step, and all incidents of healthy runs, are false incidents.
+the fault step, and all incidents of healthy runs, are false incidents; so is any incident naming a suspect after a
+NaN on every rank (a false suspect). A second table splits detection and false incidents by GradScaler use; with a
+scaler, a non-finite local gradient is an expected overflow (the scaler skips the step on every rank), so the monitor
+records a ``numerics`` event instead of naming the rank: detected, never attributed.
 """
 
 from __future__ import annotations
@@ -52,7 +61,9 @@ from sdc_telemetry.faults import FaultInjector
 from sdc_telemetry.testing import RankFailed, spawn_ranks
 
 CHECKS = ("grad_local", "grad_reduced", "replay", "weights")
-KINDS = ("healthy", "weight_bitflip", "nonfinite_grad", "reduced_grad", "compute_persistent", "compute_transient")
+KINDS = ("healthy", "weight_bitflip", "nonfinite_grad", "reduced_grad", "compute_persistent", "compute_transient",
+         "row_swap", "nan_every_rank")
+NAN_KIND = "nan_every_rank"  # not a hardware fault: every rank sees the same NaN
 TINY_GPT = {"vocab": 64, "dim": 32, "layers": 2, "heads": 2, "seq": 16, "dropout": 0.1}
 
 
@@ -85,10 +96,10 @@ def loss_fn(model: str) -> Any:
     return lm_loss if model == "gpt" else cls_loss
 
 
-def _targets(model: str) -> tuple[list[tuple[str, int]], list[str]]:
-    """(parameter name, numel) pairs and perturbable module names of ``model``, as every rank sees them."""
+def _targets(model: str) -> tuple[list[tuple[str, int, int]], list[str]]:
+    """(parameter name, numel, rows) and perturbable module names of ``model``, as every rank sees them."""
     m = build(model, 0)
-    params = [(n, p.numel()) for n, p in m.named_parameters()]
+    params = [(n, p.numel(), p.shape[0] if p.dim() else 0) for n, p in m.named_parameters()]
     modules = [n for n, sub in m.named_modules() if n and isinstance(sub, (nn.Linear, nn.LayerNorm, nn.Embedding))]
     return params, modules
 
@@ -97,28 +108,38 @@ def _targets(model: str) -> tuple[list[tuple[str, int]], list[str]]:
 
 
 def plan(trials: int, seed: int, world: int, steps: int) -> list[dict[str, Any]]:
-    """The campaign: kinds stratified (each kind equally often, in random order), every other choice drawn at random."""
+    """The campaign: kinds stratified (each kind equally often, in random order), a GradScaler on every third trial
+    of each kind, every other choice drawn at random."""
     rng = random.Random(seed)
-    kinds = [KINDS[i % len(KINDS)] for i in range(trials)]
+    # i % 3 and i % len(KINDS) cycle independently: every kind gets the scaler on a third of its trials
+    kinds = [(KINDS[i % len(KINDS)], i % 3 == 2) for i in range(trials)]
     rng.shuffle(kinds)
     targets = {m: _targets(m) for m in ("gpt", "mlp")}
     out = []
-    for i, kind in enumerate(kinds):
+    for i, (kind, scaler) in enumerate(kinds):
         model = rng.choice(("gpt", "mlp"))
+        if kind == NAN_KIND:
+            model = "mlp"  # the GPT's inputs are token ids: a NaN goes into the MLP's float inputs
         params, modules = targets[model]
-        t: dict[str, Any] = {"id": i, "kind": kind, "model": model, "seed": rng.randrange(2**31),
+        t: dict[str, Any] = {"id": i, "kind": kind, "model": model, "scaler": scaler, "seed": rng.randrange(2**31),
                              "rank": rng.randrange(world), "step": rng.randrange(max(1, steps - 3))}
         if kind == "healthy":
             t["rank"], t["step"] = None, None
+        elif kind == NAN_KIND:
+            t["rank"] = None
         elif kind == "weight_bitflip":
-            name, numel = rng.choice(params)
+            name, numel, _ = rng.choice(params)
             t.update(param=name, index=rng.randrange(numel), bit=rng.randrange(32))
+        elif kind == "row_swap":
+            name, _, rows = rng.choice([p for p in params if p[2] >= 2])
+            i_row, j_row = rng.sample(range(rows), 2)
+            t.update(param=name, rows=[i_row, j_row])
         elif kind == "nonfinite_grad":
-            name, numel = rng.choice(params)
+            name, numel, _ = rng.choice(params)
             t.update(param=name, index=rng.choice([None, rng.randrange(numel)]),
                      value=rng.choice(["nan", "inf", "-inf"]))
         elif kind == "reduced_grad":
-            total = sum(n for _, n in params)
+            total = sum(n for _, n, _ in params)
             t.update(index=rng.randrange(total), value=rng.choice(["nan", "inf", "-inf", "0.0", "1.0", "1e-3"]))
         else:
             t.update(module=rng.choice(modules), relative=10 ** rng.uniform(-8, -2))
@@ -145,6 +166,8 @@ def _trial(t: dict[str, Any], steps: int, replay_every: int) -> dict[str, Any]:
     kind = t["kind"]
     if kind == "weight_bitflip":
         inj.flip_weight_bit(rank=t["rank"], step=t["step"], param=t["param"], index=t["index"], bit=t["bit"])
+    elif kind == "row_swap":
+        inj.swap_rows(rank=t["rank"], step=t["step"], param=t["param"], rows=(t["rows"][0], t["rows"][1]))
     elif kind == "nonfinite_grad":
         inj.nonfinite_grad(rank=t["rank"], step=t["step"], param=t["param"], index=t["index"],
                            value=float(t["value"]))
@@ -174,7 +197,9 @@ def _trial(t: dict[str, Any], steps: int, replay_every: int) -> dict[str, Any]:
 
         ddp.register_forward_pre_hook(after_flip)  # after the injector's own pre-hook: sees the flipped value
 
-    def after_update(*_: Any) -> None:
+    def after_update() -> None:
+        # Called by the loop, not an optimizer hook: a GradScaler skips optimizer.step() on overflow, and the truth
+        # must still advance one step per training step.
         nonlocal step
         digests: list[Any] = [None] * world
         dist.all_gather_object(digests, _digest(module))
@@ -186,15 +211,25 @@ def _trial(t: dict[str, Any], steps: int, replay_every: int) -> dict[str, Any]:
             truth["flip_absorbed"] = len(set(bits)) == 1
         step += 1
 
-    opt.register_step_post_hook(after_update)
+    scaler = torch.amp.GradScaler("cpu") if t.get("scaler") else None
     for batch in batches(t["model"], steps, seed=t["seed"] + 1 + rank):
+        if kind == NAN_KIND and step == t["step"]:
+            x, y = batch
+            x = x.clone()
+            x[0, 0] = math.nan  # the same NaN in every rank's batch: a bad sample, not a bad node
+            batch = (x, y)
         with monitor.step(batch) as st:
-            st.backward(fn(ddp, batch))
-        opt.step()
+            st.backward(fn(ddp, batch), scaler=scaler)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         opt.zero_grad()
+        after_update()
     monitor.close()
     inj.close()
-    incidents = [{"step": i.step, "check": i.check, "suspects": list(i.suspect_ranks),
+    incidents = [{"step": i.step, "last_step": i.last_step, "check": i.check, "suspects": list(i.suspect_ranks),
                   "verdict": i.evidence.get("verdict"), "ambiguous": bool(i.evidence.get("ambiguous", False))}
                  for i in monitor.incidents]
     return {"id": t["id"], "incidents": incidents, "fired": bool(inj.fired), **truth}
@@ -232,6 +267,10 @@ def classify(t: dict[str, Any], r: dict[str, Any], replay_every: int) -> str:
         return "effective"
     if kind == "reduced_grad" and math.isfinite(float(t["value"])):
         return "finite value" if r.get("diverged_steps") else "finite, no weight divergence"
+    if kind == "row_swap":
+        return "effective" if any(s >= t["step"] for s in r.get("diverged_steps", [])) else "rows equal (no-op)"
+    if kind == NAN_KIND:
+        return "numerics (not a fault)"
     return "effective" if kind != "healthy" else "healthy"
 
 
@@ -240,6 +279,8 @@ def score(trials: list[dict[str, Any]], results: dict[int, dict[str, Any]], step
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     healthy_rank_steps = 0
     false_by_check = dict.fromkeys(CHECKS, 0)
+    by_scaler: dict[str, dict[str, Any]] = {}
+    nan_runs = {"trials": 0, "numerics_recorded": 0, "false_suspect_incidents": 0}
     errors = []
     for t in trials:
         r = results.get(t["id"])
@@ -248,19 +289,33 @@ def score(trials: list[dict[str, Any]], results: dict[int, dict[str, Any]], step
             continue
         fault_step = t["step"] if t["kind"] != "healthy" else steps
         healthy_rank_steps += fault_step * world
+        split = by_scaler.setdefault("with GradScaler" if t.get("scaler") else "no scaler",
+                                     {"healthy_rank_steps": 0, "false_incidents": 0, "kinds": {}})
+        split["healthy_rank_steps"] += fault_step * world
         for inc in r["incidents"]:
             if inc["step"] < fault_step:
                 false_by_check[inc["check"]] += 1
+                split["false_incidents"] += 1
+        after = [i for i in r["incidents"] if i["step"] >= fault_step]
+        if t["kind"] == NAN_KIND:
+            nan_runs["trials"] += 1
+            nan_runs["numerics_recorded"] += int(any(i["verdict"] == "numerics" and i["step"] == fault_step
+                                                     for i in after))
+            nan_runs["false_suspect_incidents"] += sum(1 for i in after if i["suspects"])
         if t["kind"] == "healthy":
             continue
         cls = classify(t, r, replay_every)
+        k = split["kinds"].setdefault(t["kind"], {"injected": 0, "detected": 0, "right": 0})
+        k["injected"] += 1
+        k["detected"] += int(bool(after))
+        first_step = min((i["step"] for i in after), default=None)
+        k["right"] += int(any(i["suspects"] == [t["rank"]] for i in after if i["step"] == first_step))
         row = rows.setdefault((t["kind"], cls), {"injected": 0, "fired": 0, "detected": 0, "right": 0,
                                                   "ambiguous": 0, "latency": [],
                                                   "first_by_check": dict.fromkeys(CHECKS, 0),
                                                   "by_check": dict.fromkeys(CHECKS, 0)})
         row["injected"] += 1
-        row["fired"] += int(r["fired"])
-        after = [i for i in r["incidents"] if i["step"] >= fault_step]
+        row["fired"] += int(r["fired"]) if t["kind"] != NAN_KIND else 1
         for c in {i["check"] for i in after}:
             row["by_check"][c] += 1
         if not after:
@@ -288,7 +343,18 @@ def score(trials: list[dict[str, Any]], results: dict[int, dict[str, Any]], step
             "false_incidents_per_1000_rank_steps": per_1000,
             "false_incidents_per_1000_upper95": upper,
             "false_incidents_total_per_1000": 1000 * sum(false_by_check.values()) / max(healthy_rank_steps, 1),
-            "errors": errors}
+            "by_scaler": by_scaler, "nan_every_rank": nan_runs, "errors": errors}
+
+
+def _detected(k: dict[str, int] | None, kind: str) -> str:
+    if not k:
+        return "-"
+    return f"{k['detected']}/{k['injected']} / {'n/a' if kind == NAN_KIND else k['right']}"
+
+
+def _false_rate(split: dict[str, Any]) -> str:
+    n, exposure = split["false_incidents"], split["healthy_rank_steps"]
+    return f"{1000 * n / max(exposure, 1):.3g} ({n} in {exposure})"
 
 
 def poisson_upper(k: int, exposure: float, confidence: float = 0.95) -> float:
@@ -342,8 +408,8 @@ def run(trials: int = 240, seed: int = 0, world: int = 3, steps: int = 10, repla
     rows = []
     for r in s["rows"]:
         det = r["detected"]
-        rows.append([r["kind"], r["class"], r["injected"], r["fired"], f"{det}/{r['injected']}",
-                     f"{r['right']}/{det}" if det else "-", r["ambiguous"],
+        right = "n/a" if r["kind"] == NAN_KIND else f"{r['right']}/{det}" if det else "-"
+        rows.append([r["kind"], r["class"], r["injected"], r["fired"], f"{det}/{r['injected']}", right, r["ambiguous"],
                      "-" if r["latency_median"] is None else f"{r['latency_median']:g} / {r['latency_max']}",
                      *[f"{r['first_by_check'][c]} / {r['by_check'][c]}" for c in CHECKS]])
     say(table(["fault", "class", "injected", "fired", "detected", "right rank alone", "ambiguous incl. right",
@@ -356,6 +422,19 @@ def run(trials: int = 240, seed: int = 0, world: int = 3, steps: int = 10, repla
                 s["false_incidents_per_1000_rank_steps"][c] or 0.0, s["false_incidents_per_1000_upper95"][c]]
                for c in CHECKS],
               title="False incidents (healthy runs and the steps before each fault)"))
+    say()
+    splits = sorted(s["by_scaler"])
+    say(table(["fault", *[f"{x}: detected / right rank alone" for x in splits]],
+              [[kind, *[_detected(s["by_scaler"][x]["kinds"].get(kind), kind) for x in splits]]
+               for kind in KINDS if kind != "healthy"]
+              + [["false incidents per 1,000 healthy rank-steps",
+                  *[_false_rate(s["by_scaler"][x]) for x in splits]]],
+              title="Without and with a GradScaler (all classes of each kind)"))
+    say()
+    nan = s["nan_every_rank"]
+    say(f"target: a NaN in every rank's batch names no suspect: {nan['false_suspect_incidents']} incidents naming a "
+        f"suspect in {nan['trials']} trials ({nan['numerics_recorded']} recorded as numerics at the NaN step) -> "
+        f"{'met' if nan['false_suspect_incidents'] == 0 else 'MISSED'}")
     say()
     if s["errors"]:
         say(f"{len(s['errors'])} trials failed to run: {s['errors'][:3]}")
