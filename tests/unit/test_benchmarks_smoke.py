@@ -13,6 +13,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -84,10 +85,14 @@ def test_campaign_quick_scores_every_fault_kind(bench, tmp_path, capsys):
     campaign = bench("campaign")
     campaign.main(["--quick", "--out-dir", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "Fault-injection campaign" in out and "False incidents" in out
+    assert "Fault-injection campaign" in out and "False incidents" in out and "GradScaler" in out
+    assert out.count("target:") == 1
     data = _result(tmp_path, "campaign")
     assert data["errors"] == []
     assert {t["kind"] for t in data["plan"]} == set(campaign.KINDS)
+    assert set(data["by_scaler"]) == {"no scaler", "with GradScaler"}
+    assert data["nan_every_rank"]["trials"] == 1
+    assert {"numerics_recorded", "false_suspect_incidents"} <= set(data["nan_every_rank"])
     faulty = sum(1 for t in data["plan"] if t["kind"] != "healthy")
     assert sum(r["injected"] for r in data["rows"]) == faulty
     for r in data["rows"]:
@@ -110,10 +115,82 @@ def test_poisson_upper_bound(bench):
 def test_campaign_plan_is_seeded_and_stratified(bench):
     """The same seed gives the same campaign, and every fault kind is drawn equally often."""
     campaign = bench("campaign")
-    a = campaign.plan(24, seed=3, world=3, steps=10)
-    assert a == campaign.plan(24, seed=3, world=3, steps=10)
-    assert a != campaign.plan(24, seed=4, world=3, steps=10)
+    n = 3 * len(campaign.KINDS)
+    a = campaign.plan(n, seed=3, world=3, steps=10)
+    assert a == campaign.plan(n, seed=3, world=3, steps=10)
+    assert a != campaign.plan(n, seed=4, world=3, steps=10)
     kinds = [t["kind"] for t in a]
-    assert all(kinds.count(k) == 4 for k in campaign.KINDS)
+    assert all(kinds.count(k) == 3 for k in campaign.KINDS)
     assert all(t["step"] is None or 0 <= t["step"] <= 6 for t in a)
+
+
+def test_campaign_plan_scaler_row_swaps_and_nan_runs(bench):
+    """Every kind runs with a GradScaler on one trial in three; row swaps name two distinct rows; NaN runs use the
+    MLP (float inputs) and name no faulty rank."""
+    campaign = bench("campaign")
+    a = campaign.plan(3 * len(campaign.KINDS), seed=5, world=3, steps=10)
+    for kind in campaign.KINDS:
+        assert sum(t["scaler"] for t in a if t["kind"] == kind) == 1, kind
+    swaps = [t for t in a if t["kind"] == "row_swap"]
+    assert swaps and all(len(set(t["rows"])) == 2 for t in swaps)
+    nans = [t for t in a if t["kind"] == campaign.NAN_KIND]
+    assert nans and all(t["model"] == "mlp" and t["rank"] is None for t in nans)
+
+
+def test_scale_quick_reports_bytes_pairing_and_cost_model(bench, tmp_path, capsys):
+    """scale.py --quick measures monitor bytes per rank on 2 and 3 ranks, times the simulated decisions (all with
+    the right verdict) and prints the cost model."""
+    bench("scale").main(["--quick", "--out-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "Monitor collectives per rank and step" in out and "Partner choice before" in out
+    assert "Cost model for 1,024 ranks" in out
+    data = _result(tmp_path, "scale")
+    assert set(data["ranks"]) == {"2", "3"}
+    for r in data["ranks"].values():
+        assert r["healthy"]["steps"] > 0 and r["audit"]["steps"] > 0
+        assert r["healthy"]["sent"] > 0 and r["audit"]["sent"] > r["healthy"]["sent"]
+        assert r["same_on_every_rank"]
+    assert len(data["simulated"]["plans"]) == 3 and len(data["simulated"]["pairing"]) == 2
+    assert all(d["correct"] for d in data["simulated"]["decisions"])
+    assert len(data["cost_model"]) == 5
+    assert {"plan_met", "healthy_bytes_constant"} <= set(data["targets"])
+
+
+def test_scale_byte_count_of_each_collective(bench):
+    """The byte counter reads what a rank sends and receives: an all-reduce both ways, a gather W parts back, only
+    the isend side of point-to-point ops as sent."""
+    scale = bench("scale")
+    vec = torch.zeros(22, dtype=torch.int64)
+    assert scale._payload("all_reduce", (vec,)) == (176, 176)
+    assert scale._payload("all_gather_into_tensor", (torch.zeros(4, 3), torch.zeros(3))) == (12, 48)
+
+    class Op:
+        def __init__(self, op: object, tensor: torch.Tensor) -> None:
+            self.op, self.tensor = op, tensor
+
+    def isend() -> None: ...
+
+    def irecv() -> None: ...
+
+    ops = [Op(isend, torch.zeros(10, dtype=torch.uint8)), Op(irecv, torch.zeros(7, dtype=torch.uint8))]
+    assert scale._payload("batch_isend_irecv", (ops,)) == (10, 7)
+
+
+def test_pick_shifts_before_is_the_old_host_crossing_choice(bench):
+    """The copied pre-restructure partner choice keeps only host-crossing shifts, like plan_pairs' first shift."""
+    scale = bench("scale")
+    hosts = scale.hosts_of(8, 4)
+    assert scale.pick_shifts_before(hosts) == [4]
+    assert scale.pick_shifts_before(scale.hosts_of(4, 4)) == [1, 2, 3]
+
+
+def test_audit_quick_measures_passing_audits(bench, tmp_path, capsys):
+    """audit.py --quick times 4 audits of an accumulated no_sync step, every one a pass, in baseline steps."""
+    bench("audit").main(["--quick", "--out-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "Replay audit cost" in out and out.count("target:") == 1
+    data = _result(tmp_path, "audit")
+    assert data["audits"] == 4 and data["replay_results"] == {"pass": 4}
+    assert data["incidents"] == 0
+    assert data["audit_cost_q1"] <= data["audit_cost_steps_median"] <= data["audit_cost_q3"]
 
