@@ -78,7 +78,7 @@ class _Copy:
                     if step is not None:
                         step.backward(loss, scale=1 / n)
                     else:
-                        (loss / n).backward()
+                        (loss / n).backward()  # type: ignore[no-untyped-call]
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.steps += 1
@@ -143,7 +143,7 @@ def run(model: dict[str, int] | None = None, micro: int = 4, batch: int = 4, rep
     say = (lambda *_a: None) if quiet else print
     if (warn := load_warning()) is not None:
         say(warn)
-    spec = {"model": dict(model or MODEL), "micro": micro, "batch": batch, "replay_every": replay_every,
+    spec: dict[str, Any] = {"model": dict(model or MODEL), "micro": micro, "batch": batch, "replay_every": replay_every,
             "segment": segment, "rounds": rounds, "warmup": warmup}
     t0 = time.perf_counter()
     results = spawn_ranks(_rank, world, args=(spec,), timeout=timeout, pg_timeout=timeout)

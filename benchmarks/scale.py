@@ -24,6 +24,7 @@ import pickle
 import sys
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from _common import GPT, lm_loss, load_warning, median, table, token_batches, wr
 import sdc_telemetry as sdc
 from sdc_telemetry.checks import grad as grad_check
 from sdc_telemetry.checks import weights as weights_check
-from sdc_telemetry.checks.pairing import plan_pairs
+from sdc_telemetry.checks.pairing import Pairing, plan_pairs
 from sdc_telemetry.testing import spawn_ranks
 
 TINY = {"vocab": 256, "dim": 64, "layers": 2, "heads": 2, "seq": 32}
@@ -136,7 +137,7 @@ class _Copy:
             with self.monitor.step(batch) as step:
                 step.backward(lm_loss(self.ddp, batch))
         else:
-            lm_loss(self.ddp, batch).backward()
+            lm_loss(self.ddp, batch).backward()  # type: ignore[no-untyped-call]
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.steps += 1
@@ -168,7 +169,7 @@ def _rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                     seg.append(copy.train(b))
                     if label == "monitored":
                         after = counter.snapshot()
-                        per_step[kind].append(tuple(a - b_ for a, b_ in zip(after, before, strict=True)))
+                        per_step[kind].append((after[0] - before[0], after[1] - before[1], after[2] - before[2]))
                 times[label].append(median(seg))
         assert monitored.monitor is not None
         incidents = len(monitored.monitor.incidents)
@@ -239,15 +240,15 @@ def simulate(world: int, before_worlds: Sequence[int], params: int) -> dict[str,
     for label, per_host in ((f"{RANKS_PER_HOST} ranks per host", RANKS_PER_HOST), ("4 hosts", world // 4),
                             ("1 host", world)):
         hosts = hosts_of(world, per_host)
-        s, pairing = best_time(lambda h=hosts: plan_pairs(h))
+        s, pairing = best_time(partial(plan_pairs, hosts))
         cross = _crossing_fraction(hosts, pairing)
         plans.append({"hosts": label, "world": world, "seconds": s, "shifts": len(pairing.shifts),
                       "first_shift_crosses_hosts": cross, "met": s < TARGET_PLAN_S})
     pairing_rows = []
     for w in before_worlds:
         hosts = hosts_of(w, RANKS_PER_HOST)
-        before, shifts = best_time(lambda h=hosts: pick_shifts_before(h), repeat=1)
-        after, pairing = best_time(lambda h=hosts: plan_pairs(h))
+        before, shifts = best_time(partial(pick_shifts_before, hosts), repeat=1)
+        after, pairing = best_time(partial(plan_pairs, hosts))
         pairing_rows.append({"world": w, "before_s": before, "after_s": after, "speedup": before / after,
                              "before_shifts": len(shifts), "after_shifts": len(pairing.shifts)})
 
@@ -259,7 +260,7 @@ def simulate(world: int, before_worlds: Sequence[int], params: int) -> dict[str,
     for label, rows, expect in (("grad.decide, all healthy", healthy, None),
                                 ("grad.decide, one rank non-finite", one_bad, (world // 3,)),
                                 ("grad.decide, every rank non-finite (numerics)", every_bad, ())):
-        s, finding = best_time(lambda rows=rows: grad_check.decide(rows))
+        s, finding = best_time(partial(grad_check.decide, rows))
         got = None if finding is None else tuple(finding.suspect_ranks)
         decisions.append({"decision": label, "world": world, "seconds": s, "correct": got == expect})
 
@@ -278,7 +279,7 @@ def simulate(world: int, before_worlds: Sequence[int], params: int) -> dict[str,
         tables = [[tuple(r[i * cols:(i + 1) * cols]) for i in range(params)] for r in rows]
         return weights_check.decide(tables, ranks, names)
 
-    s, finding = best_time(lambda rows=flat: parse_and_vote(rows), repeat=2)
+    s, finding = best_time(partial(parse_and_vote, flat), repeat=2)
     decisions.append({"decision": f"weights: parse gathered rows + decide, {params} parameters", "world": world,
                       "seconds": s, "correct": finding is not None and tuple(finding.suspect_ranks) == (bad_rank,)
                       and finding.evidence["differing_parameters"][str(bad_rank)] == [names[bad_param]]})
@@ -288,7 +289,7 @@ def simulate(world: int, before_worlds: Sequence[int], params: int) -> dict[str,
             "evidence_bytes": len(pickle.dumps(finding.evidence)) if finding is not None else 0}
 
 
-def _crossing_fraction(hosts: Sequence[str], pairing: Any) -> float:
+def _crossing_fraction(hosts: Sequence[str], pairing: Pairing) -> float:
     if not pairing.shifts:
         return 0.0
     s = pairing.shifts[0]
