@@ -53,3 +53,13 @@ def test_healthy_accumulated_fit_replays_without_incident(fits: list[list[dict]]
         assert r["results"].get(("weights", "pass")) == 4
         assert r["results"].get(("grad_local", "pass")) == 4
         assert not any(res in ("fail", "error", "skipped") for _, res in r["results"])
+
+
+def test_bad_arguments_are_named() -> None:
+    """A config that is not an SDCConfig, or a loss_fn that is not callable, is refused naming the argument."""
+    from sdc_telemetry.lightning import SDCCallback
+
+    with pytest.raises(TypeError, match="config must be an SDCConfig"):
+        SDCCallback(config={"replay_every": 2})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        SDCCallback(loss_fn="loss")  # type: ignore[arg-type]

@@ -56,3 +56,13 @@ def test_healthy_accumulated_training_replays_without_incident(runs: list[list[d
         assert r["results"].get(("weights", "pass")) == 4
         assert r["results"].get(("grad_local", "pass")) == 4
         assert not any(res in ("fail", "error", "skipped") for _, res in r["results"])
+
+
+def test_bad_arguments_are_named() -> None:
+    """A sdc_config that is not an SDCConfig, or a sdc_loss_fn that is not callable, is refused naming it."""
+    from sdc_telemetry.transformers import SDCTrainer
+
+    with pytest.raises(TypeError, match="sdc_config must be an SDCConfig"):
+        SDCTrainer(sdc_config={"replay_every": 2})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="sdc_loss_fn must be callable"):
+        SDCTrainer(sdc_loss_fn="loss")  # type: ignore[arg-type]
