@@ -201,6 +201,11 @@ class SDCMonitor:
         return StepContext(self, batch)
 
     @property
+    def closed(self) -> bool:
+        """``close()`` ran (or construction failed)."""
+        return self._closed
+
+    @property
     def current_step(self) -> int:
         """Index of the step in progress (or last finished); ``start_step - 1`` before the first step."""
         return self._step

@@ -90,7 +90,11 @@ class SDCDetected(RuntimeError):
             train()
         except sdc.SDCDetected as e:
             monitor.close()                 # returns within seconds; the page was already pushed
-            sys.exit(e.exit_code)           # sdc.EXIT_SDC (75) on every rank
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(e.exit_code)           # sdc.EXIT_SDC (75) on every rank
+
+    ``os._exit`` rather than ``sys.exit``: gloo's threads can abort a process during interpreter teardown after
+    ``destroy_process_group()``, and the launcher would then report a crash instead of the SDC stop.
     """
 
     exit_code = EXIT_SDC

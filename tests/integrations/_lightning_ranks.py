@@ -69,7 +69,7 @@ def fit(world: int, config: sdc.SDCConfig, *, accumulate: int = 1, steps: int = 
         raised = e
     assert callback.monitor is not None
     return summary(callback.monitor.incidents, counter, raised, global_step=trainer.global_step,
-                   closed=callback.monitor._closed, model_type=type(callback.monitor.model).__name__)
+                   closed=callback.monitor.closed, model_type=type(callback.monitor.model).__name__)
 
 
 def run(rank: int, world: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -58,7 +58,7 @@ def train(config: sdc.SDCConfig, *, accumulate: int = 1, steps: int = 4, flip: t
     monitor = trainer.sdc_monitor
     assert monitor is not None
     return summary(monitor.incidents, counter, raised, global_step=trainer.state.global_step,
-                   closed=monitor._closed, model_type=type(monitor.model).__name__)
+                   closed=monitor.closed, model_type=type(monitor.model).__name__)
 
 
 def run(rank: int, world: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
