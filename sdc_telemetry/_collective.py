@@ -33,12 +33,17 @@ class Agreement:
     """
 
     def __init__(self, vec: torch.Tensor, group: dist.ProcessGroup | None, distributed: bool = True,
-                 local: torch.Tensor | None = None) -> None:
+                 local: torch.Tensor | None = None, absent: torch.Tensor | None = None) -> None:
         self.size = vec.numel()
         # This rank's own float64 values (gradient norms for telemetry), read back with the verdict.
         self._local = local.detach().to(torch.float64) if local is not None else torch.zeros(0, dtype=torch.float64)
         vec = vec.to(torch.int64)
         both = torch.cat([vec, torch.bitwise_not(vec)])
+        if absent is not None:
+            # Fields this rank has no value for (another shard's digest slot): the neutral element of MAX in both
+            # halves, so the MAX and MIN are taken over the ranks that contribute.
+            mask = torch.cat([absent, absent]).to(both.device)
+            both = torch.where(mask, torch.full_like(both, torch.iinfo(torch.int64).min), both)
         if distributed:
             both = both.to(collective_device(group))
             dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ._collective import Agreement, agree, gather_objects, gather_rows, group_ranks
 from .certificate import WeightCertificate, format_fingerprint
-from .checks import Finding
+from .checks import Finding, fsdp
 from .checks import grad as grad_check
 from .checks.evidence import bits, unbits
 from .checks.replay import ReplayCheck
@@ -94,10 +94,20 @@ class SDCMonitor:
                  nvml: Any = None) -> None:
         self._closed = True  # until construction succeeds: close() then does nothing
         initialised = dist.is_available() and dist.is_initialized()
-        if isinstance(model, torch.nn.Module) and _is_fully_sharded(model):
-            raise TypeError("SDCMonitor does not support modules sharded with fully_shard (FSDP2/HSDP) yet: it "
-                            "supports DistributedDataParallel models, and plain modules in a single process")
-        if isinstance(model, DistributedDataParallel):
+        self._layout: fsdp.FSDPLayout | None = None
+        if isinstance(model, torch.nn.Module) and fsdp.is_fully_sharded(model):
+            if not initialised:
+                raise RuntimeError("SDCMonitor needs the initialised process group of the fully_shard-ed model")
+            if comm_hook is not None or replica_group is not None:
+                raise ValueError("comm_hook= and replica_group= are for DDP models; a fully_shard-ed model's groups "
+                                 "come from its device mesh")
+            self._layout = fsdp.layout_of(model)
+            covered = self._layout.shard_size * self._layout.replicas
+            if covered != dist.get_world_size():
+                raise fsdp.LayoutError(f"the model's device mesh covers {covered} of {dist.get_world_size()} ranks: "
+                                       "it must span every rank")
+            self._distributed = True
+        elif isinstance(model, DistributedDataParallel):
             if not initialised:
                 raise RuntimeError("SDCMonitor needs an initialised process group for a DDP model: call "
                                    "torch.distributed.init_process_group() first (torchrun sets up the environment)")
@@ -130,10 +140,13 @@ class SDCMonitor:
         self._params = [p for _, p in named]
         self._names = [n for n, _ in named]
         self.device = self._params[0].device
-        if self._distributed:
+        if self._layout is not None:
+            self._group: dist.ProcessGroup | None = None  # the mesh spans the world
+            self._ranks = group_ranks(None)
+            self.rank = dist.get_rank()
+        elif self._distributed:
             assert isinstance(model, DistributedDataParallel)
-            self._group: dist.ProcessGroup | None = replica_group if replica_group is not None \
-                else model.process_group
+            self._group = replica_group if replica_group is not None else model.process_group
             self._ranks = group_ranks(self._group)
             self.rank = dist.get_rank()
         else:
@@ -166,20 +179,36 @@ class SDCMonitor:
         self._pager = self._build_pager()
 
         # Every parameter, frozen ones included (LoRA-style fine-tuning freezes most weights; they must still agree).
-        self._weights = WeightsCheck(list(module.named_parameters()), self._group, self._ranks, classes) \
-            if replicas else None
+        # Sharded models compare local shards, among the replicas of the same shard (HSDP); a 1-D FSDP mesh holds
+        # no replica of a shard, so there the weight check has nothing to compare.
+        layout = self._layout
+        self._weights = None
+        if replicas and (layout is None or layout.hsdp):
+            self._weights = WeightsCheck(list(module.named_parameters()), self._group, self._ranks,
+                                         self._shard_classes(classes) if layout is not None else classes,
+                                         local=_local_shard if layout is not None else None)
+        elif layout is not None and self.config.weights_every and self._writer:
+            log.warning("sdc_telemetry: a 1-D FSDP mesh holds no replica of any shard: the weight check has "
+                        "nothing to compare and is off (HSDP, a (replicate, shard) mesh, has replicas)")
         self._replay = ReplayCheck(module, loss_fn, named, self._group, self._ranks, self.identities,
-                                   self.device, self.mode, self.config.tolerance, self.config.replay_every) \
+                                   self.device, self.mode, self.config.tolerance, self.config.replay_every,
+                                   layout=layout) \
             if replicas and self.config.replay_every and loss_fn is not None else None
         self._record = grad_check.GradRecord(self._params, self.device)
         self._hook_state: grad_check.CommHookState | None = None
-        if self._distributed:
+        self._tap: fsdp.GradTap | None = None
+        if layout is not None:
+            record = self._record
+            self._tap = fsdp.GradTap(layout, self._params, record.store, lambda: record.detail, record.note_call,
+                                     record.fail)
+        elif self._distributed:
             self._install_comm_hook(comm_hook, comm_state)
         self._handles = [optimizer.register_step_post_hook(self._after_update)]
 
         self._next_step = start_step
         self._step = start_step - 1
         self._pending: _Measured | None = None
+        self._absent: torch.Tensor | None = None
         # On CUDA, read healthy verdicts one step later rather than wait for the GPU (the same on every rank).
         self._defer_verdicts = self.device.type == "cuda"
         self._open = False
@@ -274,6 +303,8 @@ class SDCMonitor:
             self._replay.close()
         if self._hook_state is not None:
             self._hook_state.enabled = False
+        if self._tap is not None:
+            self._tap.enabled = False
         if self._pager is not None:
             self._guard("alertmanager", self._pager.close)
         if self._incident_log is not None:
@@ -407,7 +438,8 @@ class SDCMonitor:
                     nonfinite[0] = ~torch.isfinite(local_norm)
                     norms[0] = local_norm
                 if self.config.grad_checks and self._distributed:
-                    reduced_norm = torch.linalg.vector_norm(grad_check.reduced_norms(self._params, self.device))
+                    reduced_norm = torch.linalg.vector_norm(grad_check.reduced_norms(
+                        self._params, self.device, local=self._layout is not None))
                     host[REDUCED_MEASURED] = int(any(p.grad is not None for p in self._params))
                     nonfinite[1] = ~torch.isfinite(reduced_norm)
                     norms[1] = reduced_norm
@@ -425,13 +457,25 @@ class SDCMonitor:
             except Exception:  # noqa: BLE001
                 self._internal_error("weights", "fingerprinting the parameters failed")
                 host[WEIGHTS_ERROR] = 1
-        fixed = torch.tensor(host, dtype=torch.int64)
+        slots = self._slots()
+        fixed = torch.tensor(host + [0] * slots, dtype=torch.int64)
         # Pinned and non-blocking on CUDA: building the vector never waits for the GPU.
         vec = fixed.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else fixed
         vec[LOCAL_NONFINITE] = nonfinite[0]
         vec[REDUCED_NONFINITE] = nonfinite[1]
-        vec[DIGEST] = digest[0]
-        agreement = Agreement(vec, self._group, self._distributed, local=norms)
+        absent = None
+        if slots:  # HSDP: one digest slot per shard index, agreed among the replicas of that shard only
+            assert self._layout is not None
+            vec[FIELDS + self._layout.shard_index] = digest[0]
+            if self._absent is None:  # made once: a constant mask, no host-to-device copy per step
+                mask = torch.ones(FIELDS + slots, dtype=torch.bool)
+                mask[:FIELDS] = False
+                mask[FIELDS + self._layout.shard_index] = False
+                self._absent = mask.to(vec.device)
+            absent = self._absent
+        else:
+            vec[DIGEST] = digest[0]
+        agreement = Agreement(vec, self._group, self._distributed, local=norms, absent=absent)
         return _Measured(step=step, mine=host, agreement=agreement, weights_due=weights, audit=audit, table=table,
                          norms=record.norms.clone() if snapshot else record.norms,
                          elapsed=time.perf_counter() - start)
@@ -488,7 +532,7 @@ class SDCMonitor:
                 log.warning("sdc_telemetry: step %d: weight check could not run: a rank failed to fingerprint its "
                             "parameters", m.step)
             return None, "error" if m.mine[WEIGHTS_ERROR] else "skipped"
-        if high[DIGEST] == low[DIGEST]:
+        if all(high[f] == low[f] for f in (DIGEST, *range(FIELDS, FIELDS + self._slots()))):
             return None, "pass"
         assert m.table is not None
         finding = self._weights.gather(m.table)
@@ -624,6 +668,17 @@ class SDCMonitor:
                         len(set(classes)))
         return classes
 
+    def _slots(self) -> int:
+        """Digest slots of the status vector: one per shard index for HSDP, none otherwise (one DIGEST field)."""
+        return self._layout.shard_size if self._layout is not None and self._layout.hsdp else 0
+
+    def _shard_classes(self, classes: list[int] | None) -> list[tuple[int, int]]:
+        """Per position: (numerics class, shard index): weights are compared among replicas of the same shard."""
+        assert self._layout is not None
+        shards = [r[0] for r in gather_rows(torch.tensor([self._layout.shard_index], dtype=torch.int64),
+                                            self._group)]
+        return [(classes[i] if classes is not None else 0, shard) for i, shard in enumerate(shards)]
+
     def _open_incident_log(self) -> tuple[IncidentLog | None, str | None]:
         if not (self._writer and self.config.incident_dir):
             return None, None
@@ -726,12 +781,10 @@ class SDCMonitor:
             return None
 
 
-def _is_fully_sharded(model: torch.nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return False
-    return isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules())
+def _local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor parameter (a view, no copy)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t  # type: ignore[no-any-return]
 
 
 def _hash64(text: str) -> int:

@@ -75,6 +75,22 @@ class GradRecord:
         if pairs:
             self._store([i for i, _ in pairs], [g for _, g in pairs])
 
+    def note_call(self, key: int) -> None:
+        """One reduction of bucket (or FSDP parameter group) ``key`` in this step: a second one is a repeat."""
+        if key in self._seen:
+            self.repeated = True
+        self._seen.add(key)
+        self.buckets += 1
+
+    def fail(self) -> None:
+        self.failed = True
+
+    def store(self, index: list[int], grads: list[torch.Tensor], fp_grads: list[torch.Tensor] | None = None) -> None:
+        """Norms of ``grads`` (any strides) at ``index``; on detail steps the fingerprints of ``fp_grads`` (the same
+        gradients as flat tensors) or of ``grads``."""
+        if index:
+            self._store(index, grads, fp_grads)
+
     def measure_local(self) -> None:
         """Without a reduction (one process): the local gradients are ``.grad`` after backward."""
         pairs = [(i, p.grad) for i, p in enumerate(self._params) if p.grad is not None]
@@ -82,11 +98,12 @@ class GradRecord:
         if pairs:
             self._store([i for i, _ in pairs], [g for _, g in pairs])
 
-    def _store(self, index: list[int], grads: list[torch.Tensor]) -> None:
+    def _store(self, index: list[int], grads: list[torch.Tensor], fp_grads: list[torch.Tensor] | None = None
+               ) -> None:
         idx = _index_tensor(tuple(index), self._device)
         self.norms.index_copy_(0, idx, torch.stack(torch._foreach_norm(grads)).float().to(self._device))
         if self.detail:
-            fps = fingerprint(grads).to(self._device)
+            fps = fingerprint(fp_grads if fp_grads is not None else grads).to(self._device)
             if self.fp is None:
                 self.fp = torch.zeros((len(self._params), fps.shape[1]), dtype=torch.int64, device=self._device)
             self.fp.index_copy_(0, idx, fps)
@@ -138,10 +155,12 @@ def _index_tensor(key: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return idx
 
 
-def reduced_norms(params: Sequence[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
-    """Per-parameter norms of the reduced gradients (0 where a parameter has no gradient)."""
+def reduced_norms(params: Sequence[torch.nn.Parameter], device: torch.device, local: bool = False) -> torch.Tensor:
+    """Per-parameter norms of the reduced gradients (0 where a parameter has no gradient); ``local``: of this
+    rank's shard of DTensor gradients (never a collective)."""
     out = torch.zeros(len(params), dtype=torch.float32, device=device)
-    with_grad = [(i, p.grad) for i, p in enumerate(params) if p.grad is not None]
+    with_grad = [(i, p.grad.to_local() if local else p.grad) for i, p in enumerate(params)  # type: ignore[union-attr,attr-defined]
+                 if p.grad is not None]
     if with_grad:
         idx = _index_tensor(tuple(i for i, _ in with_grad), device)
         grads = [g for _, g in with_grad]

@@ -31,6 +31,7 @@ from ..fingerprint import digest, fingerprint
 from ..identity import RankIdentity
 from . import Finding
 from .evidence import MAX_ITEMS, bits, json_float, unbits
+from .fsdp import FSDPLayout, recompute_grads
 from .pairing import Outcome, attribute, plan_pairs
 from .shipping import MicroBatch, check_shippable, pack, unpack
 
@@ -78,10 +79,11 @@ class ReplayCheck:
     def __init__(self, module: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None,
                  named_params: Sequence[tuple[str, torch.nn.Parameter]], group: dist.ProcessGroup | None,
                  ranks: Sequence[int], identities: dict[int, RankIdentity], device: torch.device, mode: str,
-                 tolerance: float | str, every: int) -> None:
+                 tolerance: float | str, every: int, layout: FSDPLayout | None = None) -> None:
         if loss_fn is None:
             raise ValueError("replay needs loss_fn(module, batch) -> scalar loss")
         self._module = module
+        self._layout = layout  # FSDP2: recompute through the sharded model, every rank at once
         self._loss_fn = loss_fn
         self._params = [p for _, p in named_params]
         self._group = group
@@ -214,7 +216,10 @@ class ReplayCheck:
         origin = self._pairs.origin(self._pos, shift)
         replayer_of_mine = self._pairs.replayer(self._pos, shift)
         theirs = self._exchange(mine, send_to=replayer_of_mine, recv_from=origin)
-        row = self._compare(theirs, theirs["fp"] if theirs is not None else 0)
+        if self._layout is not None and not self._recomputable(theirs):
+            row = torch.tensor([0, bits(math.nan), bits(math.nan), 1], dtype=torch.int64)
+        else:
+            row = self._compare(theirs, theirs["fp"] if theirs is not None else 0)
         measured = Measurement(self._ranks[origin], unbits(int(row[1])), unbits(int(row[2])), bool(row[0])) \
             if not row[3] else None
         # Healthy audits end here: one fixed-size agreement says nobody mismatched or failed.
@@ -234,7 +239,22 @@ class ReplayCheck:
                         "loss": json_float(unbits(r[1])), "grad": json_float(unbits(r[2]))}
         return edges, measured
 
+    def _recomputable(self, record: dict[str, Any] | None) -> bool:
+        """FSDP2: every rank recomputes through the sharded model at once, so its all-gathers must line up: agree
+        that every rank holds a record with the same number of micro-batches before any rank starts."""
+        count = len(record["micro"]) if record is not None else 0
+        high, low = agree(torch.tensor([count], dtype=torch.int64), self._group)
+        if low[0] == high[0] and low[0] > 0:
+            return True
+        self.error_text = ("FSDP replay needs a record with the same number of micro-batches on every rank (got "
+                           f"{low[0]}..{high[0]}): skipped on every rank")
+        return False
+
     def _self_round(self, mine: dict[str, Any]) -> dict[int, bool]:
+        if self._layout is not None and not self._recomputable(mine):
+            rows = gather_rows(torch.tensor([0, 0, 0, 1], dtype=torch.int64), self._group)
+            self._collect_errors(rows)
+            return {}
         row = self._compare(mine, mine["fp"])
         rows = gather_rows(row, self._group)
         self._collect_errors(rows)
@@ -243,6 +263,8 @@ class ReplayCheck:
     def _calibrate(self, mine: dict[str, Any]) -> None:
         """Same-rank rerun of this rank's own step: the noise floor of non-deterministic kernels. The median over
         ranks comes from a summed histogram (fixed size at any world size), not from gathering every rank's delta."""
+        if self._layout is not None and not self._recomputable(mine):
+            return
         row = self._compare(mine, mine["fp"])
         delta = max(unbits(int(row[1])), unbits(int(row[2]))) if not row[3] else math.nan
         floor = noise_median(sum_counts(_histogram(delta), self._group))
@@ -284,6 +306,8 @@ class ReplayCheck:
 
     def _recompute(self, micro: Sequence[MicroBatch]) -> _Result:
         """Recompute losses and accumulated local gradients without touching .grad, buffers, RNG or DDP state."""
+        if self._layout is not None:
+            return self._recompute_sharded(micro)
         cpu_rng = torch.get_rng_state()
         dev_rng = torch.cuda.get_rng_state(self._device) if self._device.type == "cuda" else None
         buffers = [(b, b.detach().clone()) for b in self._module.buffers()]
@@ -307,18 +331,7 @@ class ReplayCheck:
                             prev = torch.zeros_like(grad)  # zero_grad(set_to_none=False): .grad = 0.0 + g
                         total[i] = grad if prev is None else prev + grad  # the order autograd accumulates .grad in
                 losses.append(float(loss.detach().double().item()))
-            fps = torch.zeros((len(self._params), 1), dtype=torch.int64, device=self._device)
-            present = [(i, g) for i, g in enumerate(total) if g is not None]
-            if present:
-                rows = fingerprint([g for _, g in present]).to(self._device)
-                if rows.shape[1] != fps.shape[1]:
-                    fps = torch.zeros((len(self._params), rows.shape[1]), dtype=torch.int64, device=self._device)
-                fps[torch.tensor([i for i, _ in present], device=self._device)] = rows
-            norms = torch.zeros(len(self._params), dtype=torch.float32)
-            for i, g in enumerate(total):
-                if g is not None:
-                    norms[i] = torch.linalg.vector_norm(g).float().cpu()
-            return _Result(losses, int(digest(fps).item()), norms)
+            return self._result(losses, total)
         finally:
             self._replaying = False
             with torch.no_grad():
@@ -327,6 +340,54 @@ class ReplayCheck:
             torch.set_rng_state(cpu_rng)
             if dev_rng is not None:
                 torch.cuda.set_rng_state(dev_rng, self._device)
+
+    def _recompute_sharded(self, micro: Sequence[MicroBatch]) -> _Result:
+        """FSDP2: forward and backward through the sharded model (every rank at once), gradient sync off, each
+        parameter's unsharded gradient collected in the reduce dtype: what the reduce-scatter tap recorded."""
+        assert self._layout is not None
+        cpu_rng = torch.get_rng_state()
+        dev_rng = torch.cuda.get_rng_state(self._device) if self._device.type == "cuda" else None
+        buffers = [(b, b.detach().clone()) for b in self._module.buffers()]
+        losses: list[float] = []
+
+        def run_backward() -> None:
+            for mb in micro:
+                torch.set_rng_state(mb.cpu_rng)
+                if mb.dev_rng is not None and self._device.type == "cuda":
+                    torch.cuda.set_rng_state(mb.dev_rng, self._device)
+                ctx = (torch.autocast(self._device.type, dtype=mb.autocast[1])
+                       if mb.autocast is not None and mb.autocast[0] else nullcontext())
+                with torch.enable_grad(), ctx:
+                    loss = self._loss_fn(self._module, mb.batch)
+                scaled(loss, mb.scale, mb.grad_scale).backward()  # type: ignore[no-untyped-call]
+                losses.append(float(loss.detach().double().item()))
+
+        self._replaying = True
+        try:
+            total = recompute_grads(self._layout, self._params, run_backward)
+            return self._result(losses, total)
+        finally:
+            self._replaying = False
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+            torch.set_rng_state(cpu_rng)
+            if dev_rng is not None:
+                torch.cuda.set_rng_state(dev_rng, self._device)
+
+    def _result(self, losses: list[float], total: Sequence[torch.Tensor | None]) -> _Result:
+        fps = torch.zeros((len(self._params), 1), dtype=torch.int64, device=self._device)
+        present = [(i, g) for i, g in enumerate(total) if g is not None]
+        if present:
+            rows = fingerprint([g for _, g in present]).to(self._device)
+            if rows.shape[1] != fps.shape[1]:
+                fps = torch.zeros((len(self._params), rows.shape[1]), dtype=torch.int64, device=self._device)
+            fps[torch.tensor([i for i, _ in present], device=self._device)] = rows
+        norms = torch.zeros(len(self._params), dtype=torch.float32)
+        for i, g in enumerate(total):
+            if g is not None:
+                norms[i] = torch.linalg.vector_norm(g).float().cpu()
+        return _Result(losses, int(digest(fps).item()), norms)
 
     # -- shipping ------------------------------------------------------------------------------------------------
 

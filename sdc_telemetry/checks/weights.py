@@ -7,7 +7,7 @@ the per-parameter fingerprint table gathered and voted on (``decide``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,9 +25,11 @@ class WeightsCheck:
     """Measures this rank's parameter fingerprints; gathers everyone's on disagreement."""
 
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], group: dist.ProcessGroup | None,
-                 ranks: Sequence[int], classes: Sequence[int] | None = None) -> None:
+                 ranks: Sequence[int], classes: Sequence[Hashable] | None = None,
+                 local: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.names = [n for n, _ in named_params]
         self._params = [p for _, p in named_params]
+        self._local = local
         self._group = group
         self._ranks = list(ranks)
         self._classes = list(classes) if classes is not None else None
@@ -36,7 +38,7 @@ class WeightsCheck:
 
     def measure(self) -> torch.Tensor:
         """This rank's fingerprint table, kept for a later ``gather``; returns its digest (0-d, on device)."""
-        self.table = fingerprint(self._params)
+        self.table = fingerprint([self._local(p) for p in self._params] if self._local else self._params)
         return digest(self.table)
 
     def fingerprints(self) -> torch.Tensor:
@@ -57,14 +59,14 @@ class WeightsCheck:
 
 
 def decide(tables: Sequence[Sequence[object]], ranks: Sequence[int], names: Sequence[str],
-           classes: Sequence[int] | None = None) -> Finding | None:
+           classes: Sequence[Hashable] | None = None) -> Finding | None:
     """Vote on per-rank parameter fingerprints (``tables[i][p]``: rank position i, parameter p).
 
     ``classes`` (numerics signatures by position): replicas on different hardware or software may legitimately
     round differently, so only ranks of the same class are compared; a rank alone in its class is not voted on.
     Evidence names the differing parameters and fingerprints, bounded in size at any world size.
     """
-    groups: dict[int, list[int]] = {}
+    groups: dict[Hashable, list[int]] = {}
     for pos in range(len(tables)):
         groups.setdefault(classes[pos] if classes is not None else 0, []).append(pos)
     suspects: list[int] = []

@@ -1,0 +1,212 @@
+"""FSDP2 (``fully_shard``) adapters: the layout of a sharded model, the gradient tap, and the replay recomputation.
+
+Layout: everything comes from the DTensor parameters. A 1-D mesh places ``(Shard(0),)`` (every rank holds one shard
+of every parameter: no replica); a 2-D HSDP mesh places ``(Replicate(), Shard(0))`` (ranks with the same shard index
+hold the same shard: a replicate group). Other layouts are refused by name.
+
+``grad_local``: each FSDP parameter group's reduce-scatter is wrapped (``FSDPModule.set_custom_reduce_scatter``). Its
+input is the flat unsharded local gradient of the group, in the reduce dtype: row r of ``input.view(shard_size, -1)``
+holds shard r's padded chunk of every parameter, in the group's parameter order. The tap takes per-parameter norms of
+strided views (no copy) and, on replay audit steps, per-parameter fingerprints of the unpadded flat gradients (equal
+to the fingerprint of the unsharded gradient: dim-0 padding sits at the end). Then the wrapped collective runs.
+
+Replay: every rank recomputes its origin's micro-batches through the FSDP model at the same time (the all-gathers of
+every shard group line up), with gradient sync off and a post-accumulate-grad hook on each unsharded parameter that
+accumulates the gradient (in the reduce dtype, as FSDP does) and drops it, so nothing is reduced into ``.grad`` and the
+reshard state, optimizer and RNG are unchanged. Memory: one unsharded gradient at a time, plus the accumulated
+unsharded gradients of the micro-batches of one step (as FSDP itself holds them under gradient accumulation).
+
+Parts of FSDP2 read here that are not public API (torch 2.13): ``FSDPModule._get_fsdp_state()._fsdp_param_groups``,
+``FSDPParamGroup.fsdp_params / _reduce_scatter_comm / _reduce_dtype / reduce_grads / all_reduce_grads``,
+``FSDPParam.sharded_param / unsharded_param / padded_sharded_param_size / _orig_size`` and the ``ReduceScatter``
+protocol in ``torch.distributed.fsdp._fully_shard._fsdp_api``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["FSDPLayout", "is_fully_sharded", "layout_of", "GradTap", "recompute_grads", "LayoutError"]
+
+
+class LayoutError(TypeError):
+    """A sharded model whose layout the monitor does not support (yet)."""
+
+
+def _fsdp_module_type() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
+    return FSDPModule  # type: ignore[no-any-return]
+
+
+def is_fully_sharded(model: torch.nn.Module) -> bool:
+    """``fully_shard`` was applied to ``model`` or to one of its submodules."""
+    fsdp = _fsdp_module_type()
+    return fsdp is not None and any(isinstance(m, fsdp) for m in model.modules())
+
+
+@dataclass(frozen=True)
+class FSDPLayout:
+    """Where this rank sits in a fully_shard-ed model's mesh."""
+
+    shard_group: dist.ProcessGroup
+    shard_size: int
+    shard_index: int
+    replicate_group: dist.ProcessGroup | None   # None on a 1-D mesh: no replica holds this rank's shard
+    replicas: int
+    groups: tuple[tuple[Any, Any], ...]          # (FSDPModule, FSDPParamGroup) that own parameters
+
+    @property
+    def hsdp(self) -> bool:
+        return self.replicate_group is not None
+
+
+def layout_of(model: torch.nn.Module) -> FSDPLayout:
+    """The layout of a fully_shard-ed model, or ``LayoutError`` naming what is not supported."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    fsdp = _fsdp_module_type()
+    assert fsdp is not None
+    if not isinstance(model, fsdp):
+        raise LayoutError("apply fully_shard to the root module too (fully_shard(model) after its submodules): the "
+                          "monitor needs the root FSDPModule")
+    params: list[Any] = list(model.parameters())
+    if not params or not all(isinstance(p, DTensor) for p in params):
+        raise LayoutError("every parameter of a fully_shard-ed model must be a DTensor (a module left unsharded "
+                          "inside a sharded model is not supported)")
+    mesh = params[0].device_mesh
+    if any(p.device_mesh != mesh for p in params):
+        raise LayoutError("parameters on different device meshes (per-parameter meshes) are not supported")
+    placements = params[0].placements
+    if any(p.placements != placements for p in params):
+        raise LayoutError(f"parameters with different placements are not supported (for example "
+                          f"{placements} and {next(p.placements for p in params if p.placements != placements)})")
+    kinds = tuple(type(pl).__name__ for pl in placements)
+    if kinds == ("Shard",) and placements[0] == Shard(0):
+        shard_dim, rep_dim = 0, None
+    elif kinds == ("Replicate", "Shard") and placements[1] == Shard(0):
+        shard_dim, rep_dim = 1, 0
+    else:
+        raise LayoutError(f"mesh placements {placements} are not supported: FSDP2 on a 1-D mesh (Shard(0)) or HSDP "
+                          "on a 2-D (replicate, shard) mesh (Replicate(), Shard(0)); tensor or context parallel "
+                          "dimensions are not")
+    assert isinstance(placements[shard_dim], Shard) and (rep_dim is None or isinstance(placements[rep_dim], Replicate))
+    shard_size = mesh.size(shard_dim)
+    if shard_size < 2:
+        raise LayoutError("a shard dimension of size 1 does not reduce-scatter (FSDP copies the gradients), so local "
+                          "gradients cannot be observed: use DistributedDataParallel for pure replication")
+    groups = []
+    for m in model.modules():
+        if isinstance(m, fsdp):
+            owned = list(m._get_fsdp_state()._fsdp_param_groups)  # type: ignore[operator]
+            if len(owned) > 1:
+                raise LayoutError(f"{type(m).__name__} has {len(owned)} FSDP parameter groups (shard_placement_fn or "
+                                  "per-parameter meshes): not supported")
+            groups += [(m, pg) for pg in owned]
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None
+    return FSDPLayout(shard_group=mesh.get_group(shard_dim), shard_size=shard_size,
+                      shard_index=coordinate[shard_dim],
+                      replicate_group=mesh.get_group(rep_dim) if rep_dim is not None else None,
+                      replicas=mesh.size(rep_dim) if rep_dim is not None else 1, groups=tuple(groups))
+
+
+class GradTap:
+    """Wraps every parameter group's reduce-scatter: measures its input (the unsharded local gradients) into
+    ``store(index, norm_views, fp_tensors)`` before the collective runs. ``enabled`` switches measuring off."""
+
+    def __init__(self, layout: FSDPLayout, params: Sequence[torch.nn.Parameter],
+                 store: Callable[[list[int], list[torch.Tensor], list[torch.Tensor] | None], None],
+                 detail: Callable[[], bool], on_call: Callable[[int], None],
+                 on_error: Callable[[], None]) -> None:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+        index = {id(p): i for i, p in enumerate(params)}
+        tap = self
+        self.enabled = True
+
+        class _Tapped(ReduceScatter):  # type: ignore[misc,valid-type]
+            def __init__(self, inner: Any, gid: int, pg: Any) -> None:
+                self.inner, self.gid, self.pg = inner, gid, pg
+
+            def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+                out: torch.Tensor = self.inner.allocate(size, dtype=dtype, device=device)
+                return out
+
+            def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                         op: Any, async_op: bool = False) -> Any:
+                if tap.enabled:
+                    try:
+                        on_call(self.gid)
+                        tap._measure(self.pg, input_tensor, group, index, store, detail())
+                    except Exception:  # noqa: BLE001 - reported through the status vector; the collective must run
+                        on_error()
+                return self.inner(output_tensor, input_tensor, group, op, async_op)
+
+        for gid, (module, pg) in enumerate(layout.groups):
+            module.set_custom_reduce_scatter(_Tapped(pg._reduce_scatter_comm, gid, pg))
+
+    @staticmethod
+    def _measure(pg: Any, inp: torch.Tensor, group: dist.ProcessGroup, index: dict[int, int],
+                 store: Callable[[list[int], list[torch.Tensor], list[torch.Tensor] | None], None],
+                 detail: bool) -> None:
+        rows = inp.view(group.size(), -1)
+        sizes = [fp.padded_sharded_param_size.numel() for fp in pg.fsdp_params]
+        if sum(sizes) * group.size() != inp.numel():
+            raise RuntimeError("the reduce-scatter input does not hold every parameter of the group (parameters "
+                               "without gradients): not measured")
+        views, fps, idx, off = [], [], [], 0
+        for fp, n in zip(pg.fsdp_params, sizes, strict=True):
+            view = rows[:, off:off + n]  # (shard_size, n): the padded unsharded gradient, no copy
+            off += n
+            i = index.get(id(fp.sharded_param))
+            if i is None:
+                continue
+            idx.append(i)
+            views.append(view)
+            if detail:
+                fps.append(view.reshape(-1)[:fp._orig_size.numel()])
+        store(idx, views, fps if detail else None)
+
+
+def recompute_grads(layout: FSDPLayout, params: Sequence[torch.nn.Parameter], run_backward: Callable[[], None]
+                    ) -> list[torch.Tensor | None]:
+    """Run ``run_backward`` (forward and backward of the micro-batches, on every rank at once) with gradient sync off,
+    collecting each parameter's unsharded gradient, accumulated in the reduce dtype; nothing reaches ``.grad``."""
+    index = {id(p): i for i, p in enumerate(params)}
+    acc: list[torch.Tensor | None] = [None] * len(params)
+    handles = []
+    saved = [(pg.reduce_grads, pg.all_reduce_grads) for _, pg in layout.groups]
+
+    def hook_for(i: int, dtype: torch.dtype | None) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            g = p.grad
+            if g is not None:
+                g = g.to(dtype or g.dtype)
+                acc[i] = g if acc[i] is None else acc[i].add_(g)  # type: ignore[union-attr]
+            p.grad = None  # FSDP's post-backward then has nothing to reduce or accumulate
+        return hook
+
+    try:
+        for _, pg in layout.groups:
+            for fp in pg.fsdp_params:
+                i = index.get(id(fp.sharded_param))
+                if i is not None:
+                    handles.append(fp.unsharded_param.register_post_accumulate_grad_hook(
+                        hook_for(i, pg._reduce_dtype)))
+        for module, _ in layout.groups:
+            module.set_requires_gradient_sync(False, recurse=False)
+        run_backward()
+    finally:
+        for (_, pg), (reduce, all_reduce) in zip(layout.groups, saved, strict=True):
+            pg.reduce_grads, pg.all_reduce_grads = reduce, all_reduce
+        for h in handles:
+            h.remove()
+    return acc

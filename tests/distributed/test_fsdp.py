@@ -1,0 +1,85 @@
+"""FSDP2 and HSDP (fully_shard on a 1-D or a (replicate, shard) mesh) on gloo CPU ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from sdc_telemetry.testing import spawn_ranks
+
+from ._fsdp import run_fsdp
+
+HSDP = {
+    "flip": {"config": {"replay_every": 0}, "steps": 5,
+             "flip": {"rank": 3, "step": 3, "param": "l2.weight", "index": 7, "bit": 12}},
+    "nan": {"config": {"replay_every": 0}, "steps": 4, "nan": {"rank": 4, "step": 2}},
+    "compute": {"config": {"replay_every": 3}, "steps": 5,
+                "perturb": {"rank": 1, "step": 1, "module": "l2", "relative": 1e-3}},
+    "healthy": {"config": {"replay_every": 3}, "steps": 30},
+    "on": {"config": {"replay_every": 2}, "steps": 20},
+    "off": {"monitor": False, "steps": 20},
+}
+
+
+@pytest.fixture(scope="module")
+def hsdp() -> dict[str, Any]:
+    """One spawn of 6 ranks on a (3 replicas, 2 shards) mesh running every HSDP scenario."""
+    results = spawn_ranks(run_fsdp, 6, ((3, 2), list(HSDP.values())), timeout=600)
+    return dict(zip(HSDP, zip(*results, strict=True), strict=True))
+
+
+def _same(per_rank: tuple[dict[str, Any], ...]) -> list[Any]:
+    assert all(r["incidents"] == per_rank[0]["incidents"] for r in per_rank)
+    return per_rank[0]["incidents"]  # type: ignore[no-any-return]
+
+
+def test_hsdp_shard_bit_flip_found_by_weights_on_that_rank(hsdp: dict[str, Any]) -> None:
+    """A flipped bit in rank 3's shard is named by the weight check at that step, voted among its shard's replicas."""
+    assert _same(hsdp["flip"])[0] == (3, "weights", [3], None)
+
+
+def test_hsdp_nan_in_one_batch_found_by_grad_local_on_that_rank(hsdp: dict[str, Any]) -> None:
+    """A NaN in rank 4's batch shows in its reduce-scatter input only: grad_local names rank 4."""
+    assert _same(hsdp["nan"])[0] == (2, "grad_local", [4], "nonfinite_local_gradients")
+
+
+def test_hsdp_compute_fault_found_by_replay(hsdp: dict[str, Any]) -> None:
+    """Rank 1 computes wrong from step 1: the next audit (step 3) names it."""
+    assert _same(hsdp["compute"])[0][:3] == (3, "replay", [1])
+
+
+def test_hsdp_healthy_run_is_silent_and_audited(hsdp: dict[str, Any]) -> None:
+    """30 healthy steps with replay every 3: no incident, every audit and weight check passed on every rank."""
+    for r in hsdp["healthy"]:
+        assert not r["incidents"] and not r["errors"]
+        assert r["counts"]["replay"] == {"pass": 10} and r["counts"]["weights"] == {"pass": 30}
+        assert r["counts"]["grad_local"] == {"pass": 30}
+
+
+def test_hsdp_replay_changes_nothing(hsdp: dict[str, Any]) -> None:
+    """After 20 steps the shards are bitwise equal with the monitor (replay every 2) on and off."""
+    for on, off in zip(hsdp["on"], hsdp["off"], strict=True):
+        assert not on["incidents"]
+        assert all(torch.equal(on["weights"][n], off["weights"][n]) for n in off["weights"])
+
+
+def test_fsdp_1d_compute_fault_found_by_replay() -> None:
+    """A 1-D mesh of 4 (no replicas): replay names the rank with a compute fault; the weight check is off."""
+    scenarios = [{"config": {"replay_every": 2}, "steps": 4,
+                  "perturb": {"rank": 2, "step": 1, "module": "l1", "relative": 1e-3}},
+                 {"config": {"replay_every": 2}, "steps": 6},
+                 {"config": {"replay_every": 2}, "steps": 6, "mixed": True},
+                 {"config": {"replay_every": 2, "mode": "tolerance"}, "steps": 6, "mixed": True,
+                  "perturb": {"rank": 1, "step": 1, "module": "l1", "relative": 0.05}}]
+    faulty, healthy, mixed, mixed_faulty = zip(*spawn_ranks(run_fsdp, 4, ((4,), scenarios), timeout=300),
+                                               strict=True)
+    assert _same(faulty)[0][:3] == (2, "replay", [2])
+    for r in healthy:
+        assert not r["incidents"] and r["counts"]["replay"] == {"pass": 3} and "weights" not in r["counts"]
+    # bf16 parameters, fp32 reduction: the replay reproduces the reduce-scatter input bit for bit, and in tolerance
+    # mode a 5% compute fault is still named.
+    for r in mixed:
+        assert not r["incidents"] and r["counts"]["replay"] == {"pass": 3} and not r["errors"]
+    assert _same(mixed_faulty)[0][:3] == (2, "replay", [1])
