@@ -35,7 +35,7 @@ def test_model_must_be_a_module_and_keywords_are_checked() -> None:
     """Not a module, a bad start_step or a misspelt keyword: clear errors naming the problem."""
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(TypeError, match="torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
         sdc.SDCMonitor(lambda x: x, opt)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="start_step"):
         sdc.SDCMonitor(model, opt, config=sdc.SDCConfig(**OFF), start_step=-1)
