@@ -25,7 +25,11 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fault", choices=FAULTS, default="weight-bitflip", help="fault to inject (default: %(default)s)")
     p.add_argument("--fault-rank", type=int, default=2, help="rank that misbehaves (default: %(default)s)")
     p.add_argument("--fault-step", type=int, default=20, help="step at which the fault starts (default: %(default)s)")
-    p.add_argument("--world", type=int, default=4, help="number of CPU ranks (default: %(default)s)")
+    p.add_argument("--world", type=int, default=None,
+                   help="number of CPU ranks (default: 4; 6 with --layout hsdp, so that each shard has 3 replicas "
+                        "and a majority names the corrupted one)")
+    p.add_argument("--layout", choices=("ddp", "hsdp"), default="ddp",
+                   help="ddp, or hsdp: fully_shard on a (world/2 replicas, 2 shards) mesh (default: %(default)s)")
     p.add_argument("--steps", type=int, default=40, help="training steps (default: %(default)s)")
     p.add_argument("--replay-every", type=int, default=25, help="replay audit cadence (default: %(default)s)")
     p.add_argument("--on-suspect", choices=("record", "raise"), default="raise",
@@ -55,11 +59,20 @@ def demo(args: argparse.Namespace) -> int:
     from .demo import DemoPlan, expected, run_rank
     from .testing import spawn_ranks
 
+    if args.world is None:
+        args.world = 6 if args.layout == "hsdp" else 4
     if not 0 <= args.fault_rank < args.world:
         print(f"--fault-rank must be in 0..{args.world - 1}", file=sys.stderr)
         return 2
     if args.world < 2:
         print("--world must be at least 2: the checks compare replicas", file=sys.stderr)
+        return 2
+    if args.layout == "hsdp" and (args.world < 4 or args.world % 2):
+        print("--layout hsdp needs an even --world of at least 4 (2 shards, 2 or more replicas)", file=sys.stderr)
+        return 2
+    if args.layout == "hsdp" and args.fault in ("grad-nan", "comm"):
+        print(f"--fault {args.fault} injects through DDP hooks: with --layout hsdp use weight-bitflip, compute or "
+              "none", file=sys.stderr)
         return 2
     stack_cls = None if args.no_stack or not args.metrics_port else _stack_cls()
     tmp = tempfile.TemporaryDirectory(prefix="sdc-demo-")
@@ -70,12 +83,12 @@ def demo(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host,
         step_delay=args.step_delay if args.step_delay is not None else (0.25 if stack_cls else 0.0),
         serve_after=args.serve_after if args.serve_after is not None else (args.page_timeout if stack_cls else 0.0),
-        stop_file=stop_file, incident_dir=args.incident_dir or tmp.name, checkpoint_dir=tmp.name,
+        stop_file=stop_file, incident_dir=args.incident_dir or tmp.name, checkpoint_dir=tmp.name, layout=args.layout,
         certify_step=max(0, min(args.fault_step, args.steps) // 2),
         close_scrape_wait_s=8.0 if stack_cls else 0.0,  # nobody scrapes without Prometheus: do not wait for it
     )
     want = expected(plan)
-    print(f"sdc-telemetry demo: {args.world} CPU ranks (gloo), fault={plan.fault}"
+    print(f"sdc-telemetry demo: {args.world} CPU ranks (gloo, {plan.layout}), fault={plan.fault}"
           + (f" on rank {plan.fault_rank} at step {plan.fault_step}" if want else "")
           + f", {plan.steps} steps, replay every {plan.replay_every}, on_suspect={plan.on_suspect}", flush=True)
     if plan.metrics_port:

@@ -48,6 +48,7 @@ class DemoPlan:
     progress_every: int = 5
     close_scrape_wait_s: float = 8.0  # close() lets Prometheus see the clean end at most this long (0 without one)
     alertmanager_url: str | None = None
+    layout: str = "ddp"  # "ddp", or "hsdp": fully_shard on a (world // 2 replicas, 2 shards) mesh
     checkpoint_dir: str | None = None  # rank 0 saves a certified checkpoint here at certify_step
     certify_step: int = 10
     seed: int = 0
@@ -105,7 +106,7 @@ def run_rank(rank: int, world: int, plan: DemoPlan) -> dict[str, Any]:
     """Train ``plan.steps`` steps with one injected fault; return this rank's incidents and timings."""
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(message)s")
     torch.manual_seed(plan.seed)
-    model = DistributedDataParallel(DemoModel())
+    model = _hsdp(DemoModel(), world) if plan.layout == "hsdp" else DistributedDataParallel(DemoModel())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     faults = FaultInjector(model, opt)
     _inject(faults, plan)
@@ -116,8 +117,8 @@ def run_rank(rank: int, world: int, plan: DemoPlan) -> dict[str, Any]:
     # The CPU demo's GPU counters are simulated.
     nvml = FakeNVML.for_demo(identity.hw_id) if not torch.cuda.is_available() else None
     telemetry = Telemetry(config, identity, nvml=nvml, close_scrape_wait_s=plan.close_scrape_wait_s)
-    monitor = SDCMonitor(model, opt, loss_fn=demo_loss, config=config, comm_hook=faults.comm_hook,
-                         observer=telemetry)
+    monitor = SDCMonitor(model, opt, loss_fn=demo_loss, config=config, observer=telemetry,
+                         comm_hook=faults.comm_hook if plan.layout == "ddp" else None)
     gen = torch.Generator().manual_seed(1000 + rank)
     stopped: int | None = None
     checkpoint: str | None = None
@@ -153,13 +154,26 @@ def run_rank(rank: int, world: int, plan: DemoPlan) -> dict[str, Any]:
             "fired": faults.fired, "plan": asdict(plan), "checkpoint": checkpoint}
 
 
-def _save_certified(monitor: SDCMonitor, model: DistributedDataParallel, directory: str, step: int,
-                    rank: int) -> str:
+def _hsdp(model: nn.Module, world: int) -> nn.Module:
+    """HSDP: fully_shard on a (world // 2 replicas, 2 shards) mesh, each block and the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    for name in ("embed", "block", "head"):
+        fully_shard(model.get_submodule(name), mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _save_certified(monitor: SDCMonitor, model: nn.Module, directory: str, step: int, rank: int) -> str:
     """Certify on every rank (collective), save the checkpoint with its certificate from rank 0."""
     cert = monitor.certificate()
     path = os.path.join(directory, f"checkpoint-{step}.pt")
+    # A full state dict: DDP's inner module, or the shards of a fully_shard-ed model gathered (every rank).
+    state = {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in monitor.module.state_dict().items()}
     if rank == 0:
-        torch.save({"model": model.module.state_dict(), "sdc_certificate": cert.to_dict(), "step": step}, path)
+        torch.save({"model": state, "sdc_certificate": cert.to_dict(), "step": step}, path)
         print(f"step {step}: checkpoint saved with its weight certificate ({len(cert.fingerprints)} tensors): {path}",
               flush=True)
     return path

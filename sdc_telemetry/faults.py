@@ -8,7 +8,8 @@ acts only on the rank it is told to. It uses public hooks only, and nothing on t
     monitor = SDCMonitor(ddp_model, optimizer, loss_fn, config, comm_hook=faults.comm_hook)  # for reduced faults
 
 What each fault does and when:
-- ``flip_weight_bit``: XOR bit ``bit`` of element ``index`` (row-major) of parameter ``param`` on ``rank``, just
+- ``flip_weight_bit``: XOR bit ``bit`` of element ``index`` (row-major; of this rank's shard for a fully_shard-ed
+  model) of parameter ``param`` on ``rank``, just
   before step ``step``'s first forward pass (memory corruption between steps). With ``weights_every=1`` the weight
   check of that same step sees it. Bits 0-22 of an fp32 element are mantissa bits (always finite).
 - ``swap_rows``: exchange rows ``i`` and ``j`` of parameter ``param`` on ``rank`` before step ``step``'s first forward
@@ -91,10 +92,10 @@ class FaultInjector:
 
     def flip_weight_bit(self, *, rank: int, step: int, param: str | None = None, index: int = 0, bit: int = 0
                         ) -> None:
-        target = self._param(param)
+        target = _local(self._param(param))  # a sharded (FSDP2) parameter: this rank's shard
         if not 0 <= bit < target.element_size() * 8 or not 0 <= index < target.numel():  # fail now, not at step
             raise ValueError(f"bit {bit} / index {index} out of range for {param} ({target.dtype}, "
-                             f"{target.numel()} elements)")
+                             f"{target.numel()} elements on this rank)")
         done = False
 
         def pre_forward(*_: Any) -> None:
@@ -188,6 +189,11 @@ class FaultInjector:
 
 # DDP checks a hook's annotations against the real classes; postponed (string) annotations would fail that check.
 FaultInjector.comm_hook.__annotations__ = {}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t  # type: ignore[no-any-return]
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

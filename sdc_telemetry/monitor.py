@@ -264,7 +264,9 @@ class SDCMonitor:
         returns the step and every parameter's fingerprint, keyed by the unwrapped module's parameter names. When
         the replicas disagree but a majority agrees, the certificate holds the majority's fingerprints, so that the
         checkpoint of a corrupted rank does not verify; with no majority there is nothing to certify and
-        ``SDCDetected`` is raised whatever ``on_suspect`` says.
+        ``SDCDetected`` is raised whatever ``on_suspect`` says. A fully_shard-ed model is certified as whole
+        tensors (gathered from the shards: plan the memory of one full copy) so that it verifies against a full
+        state dict; a disagreement there always raises.
 
         >>> cert = monitor.certificate()                                             # doctest: +SKIP
         >>> torch.save({"model": model.module.state_dict(), "sdc_certificate": cert.to_dict()}, path)  # doctest: +SKIP
@@ -273,10 +275,12 @@ class SDCMonitor:
         incident = self.verify_weights()
         named = list(self.module.named_parameters())
         step = max(self._step, 0)
+        if self._layout is not None:  # whole tensors, gathered from the shards on every rank (collective)
+            named = [(n, p.full_tensor()) for n, p in named]  # type: ignore[operator,attr-defined]
         if incident is None or self._weights is None:
             return WeightCertificate.from_tensors(step, named, world_size=self._world)
         majority = self._weights.majority
-        if majority is None:
+        if majority is None or self._layout is not None:  # no majority of whole tensors to certify
             raise SDCDetected(incident)
         return WeightCertificate(step=step, fingerprints={n: format_fingerprint(row)
                                                           for (n, _), row in zip(named, majority, strict=True)},
