@@ -30,7 +30,11 @@ demo: setup
 bench: setup
 	$(PY) benchmarks/fingerprint.py
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/audit.py
+	$(PY) benchmarks/scale.py
+	$(PY) benchmarks/hsdp.py
 	$(PY) benchmarks/campaign.py
+	$(PY) benchmarks/prometheus_scale.py
 
 dashboards: setup
 	$(VENV)/bin/sdc-telemetry dashboards

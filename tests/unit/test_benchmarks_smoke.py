@@ -194,3 +194,14 @@ def test_audit_quick_measures_passing_audits(bench, tmp_path, capsys):
     assert data["incidents"] == 0
     assert data["audit_cost_q1"] <= data["audit_cost_steps_median"] <= data["audit_cost_q3"]
 
+
+
+def test_hsdp_quick_reports_ratios_against_unmonitored_fsdp(bench, tmp_path, capsys):
+    """hsdp.py --quick: 6 ranks on a (3, 2) mesh, every configuration timed against the unmonitored FSDP2 model,
+    and every monitored check passed."""
+    bench("hsdp").main(["--quick", "--out-dir", str(tmp_path)])
+    assert "HSDP (3 replicas x 2 shards" in capsys.readouterr().out
+    summary = _result(tmp_path, "hsdp")["summary"]
+    assert summary["FSDP2 HSDP, no monitor"]["ratio"] == 1.0
+    replay = summary["grad + weights/1 + replay/10"]["results"]
+    assert replay["replay:pass"] >= 1 and not any(k.endswith((":fail", ":error", ":skipped")) for k in replay)
