@@ -18,7 +18,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -64,6 +64,7 @@ class _Measured:
     table: torch.Tensor | None   # this rank's weight fingerprint table, for a vote on disagreement
     norms: torch.Tensor          # this rank's per-parameter local-gradient norms (evidence)
     elapsed: float
+    durations: dict[str, float] = field(default_factory=dict)  # measuring time per check on this rank
     grads: bool = True           # gradient results belong to this hook point
 
 
@@ -381,8 +382,9 @@ class SDCMonitor:
             self._decide(pending)
 
     def _decide(self, m: _Measured) -> None:
+        t0 = time.perf_counter()
         high, low = m.agreement.result()
-        durations = {"grad": m.elapsed}
+        durations = dict(m.durations)
         results: dict[str, str] = {}
         findings: list[Finding] = []
         if high[STEP] != low[STEP]:
@@ -398,10 +400,13 @@ class SDCMonitor:
             if finding is not None:
                 findings.append(finding)
         weights_agree: bool | None = None
+        agreed = time.perf_counter() - t0  # the agreement (and any wait for it) is shared by the checks
+        for check in ("grad_local", "grad_reduced"):
+            durations[check] = durations.get(check, 0.0) + agreed
         if m.weights_due:
             t = time.perf_counter()
             finding, results["weights"] = self._weights_verdict(m, high, low)
-            durations["weights"] = time.perf_counter() - t + m.elapsed
+            durations["weights"] = durations.get("weights", 0.0) + agreed + time.perf_counter() - t
             if results["weights"] in ("pass", "fail"):
                 weights_agree = not (finding and self.rank in finding.suspect_ranks)
             if finding is not None:
@@ -413,7 +418,7 @@ class SDCMonitor:
             durations["replay"] = time.perf_counter() - t
             if finding is not None:
                 findings.append(finding)
-        durations = {c: durations["grad"] if c.startswith("grad") else durations[c] for c in results}
+        durations = {c: durations.get(c, 0.0) for c in results}
         errors = ("replay",) if results.get("replay") == "error" else ()
         self._conclude(m, findings, results, durations, replay=replay, weights_agree=weights_agree, errors=errors)
 
@@ -431,6 +436,7 @@ class SDCMonitor:
         norms = torch.full((2,), math.nan, dtype=torch.float64, device=self.device)  # local, reduced
         record = self._record
         reduced_norm: torch.Tensor | None = None
+        durations: dict[str, float] = {}
         try:
             if not self._distributed and self.config.grad_checks:
                 record.measure_local()
@@ -442,8 +448,10 @@ class SDCMonitor:
                     nonfinite[0] = ~torch.isfinite(local_norm)
                     norms[0] = local_norm
                 if self.config.grad_checks and self._distributed:
+                    t = time.perf_counter()
                     reduced_norm = torch.linalg.vector_norm(grad_check.reduced_norms(
                         self._params, self.device, local=self._layout is not None))
+                    durations["grad_reduced"] = time.perf_counter() - t
                     host[REDUCED_MEASURED] = int(any(p.grad is not None for p in self._params))
                     nonfinite[1] = ~torch.isfinite(reduced_norm)
                     norms[1] = reduced_norm
@@ -452,7 +460,9 @@ class SDCMonitor:
             self._internal_error("grad", "measuring gradients failed")
             host[ERROR] = 1
         table = None
+        weights_s = 0.0
         if weights:
+            t = time.perf_counter()
             try:
                 if self._weights is None:
                     raise RuntimeError("no replicas to compare")
@@ -461,6 +471,7 @@ class SDCMonitor:
             except Exception:  # noqa: BLE001
                 self._internal_error("weights", "fingerprinting the parameters failed")
                 host[WEIGHTS_ERROR] = 1
+            weights_s = time.perf_counter() - t
         slots = self._slots()
         fixed = torch.tensor(host + [0] * slots, dtype=torch.int64)
         # Pinned and non-blocking on CUDA: building the vector never waits for the GPU.
@@ -480,9 +491,13 @@ class SDCMonitor:
         else:
             vec[DIGEST] = digest[0]
         agreement = Agreement(vec, self._group, self._distributed, local=norms, absent=absent)
+        elapsed = time.perf_counter() - start
+        # grad_local: the comm-hook measurements during backward and the local part here; grad_reduced: its pass.
+        durations = {"grad_local": record.elapsed + elapsed - durations.get("grad_reduced", 0.0) - weights_s,
+                     "grad_reduced": durations.get("grad_reduced", 0.0), "weights": weights_s}
         return _Measured(step=step, mine=host, agreement=agreement, weights_due=weights, audit=audit, table=table,
-                         norms=record.norms.clone() if snapshot else record.norms,
-                         elapsed=time.perf_counter() - start)
+                         norms=record.norms.clone() if snapshot else record.norms, elapsed=elapsed,
+                         durations=durations)
 
     # -- deciding ------------------------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ would itself wreck the step.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,9 +48,11 @@ class GradRecord:
         self.failed = False
         self.repeated = False
         self.detail = False
+        self.elapsed = 0.0  # seconds spent measuring in this step's backward
         self._seen: set[int] = set()
 
     def reset(self, detail: bool = False) -> None:
+        self.elapsed = 0.0
         self.norms.zero_()
         self.fp = None
         self.buckets = 0
@@ -100,6 +103,11 @@ class GradRecord:
 
     def _store(self, index: list[int], grads: list[torch.Tensor], fp_grads: list[torch.Tensor] | None = None
                ) -> None:
+        start = time.perf_counter()
+        self._measure(index, grads, fp_grads)
+        self.elapsed += time.perf_counter() - start
+
+    def _measure(self, index: list[int], grads: list[torch.Tensor], fp_grads: list[torch.Tensor] | None) -> None:
         idx = _index_tensor(tuple(index), self._device)
         self.norms.index_copy_(0, idx, torch.stack(torch._foreach_norm(grads)).float().to(self._device))
         if self.detail:

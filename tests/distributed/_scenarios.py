@@ -225,6 +225,7 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
         "verified": verified,
         "mode": monitor.mode,
         "steps_reported": [r.step for r in recorder.reports if r.counts_step] if recorder else [],
+        "durations": [r.durations for r in recorder.reports] if recorder else [],
     }
 
 

@@ -119,6 +119,13 @@ def test_grad_scaler_replay_finds_a_compute_fault_and_passes_when_healthy(three_
         assert not r["incidents"] and r["counts"]["replay"] == {"pass": 6} and not r["errors"]
 
 
+def test_each_check_reports_its_own_duration(three_ranks: dict[str, Any]) -> None:
+    """grad_local, grad_reduced, weights and replay are timed separately (not one figure for all)."""
+    for d in three_ranks["scaler_replay_healthy"][0]["durations"]:
+        assert set(d) == {"grad_local", "grad_reduced", "weights", "replay"} and all(v >= 0 for v in d.values())
+        assert len(set(d.values())) == 4
+
+
 def test_verify_weights_works_with_weights_every_zero_and_sees_a_row_swap(three_ranks: dict[str, Any]) -> None:
     """weights_every=0: verify_weights() still runs, and catches two swapped rows right after they happen."""
     for r in three_ranks["verify_row_swap"]:
