@@ -3,6 +3,7 @@
     python benchmarks/campaign.py                 # 240 trials on 3 gloo ranks (~2 minutes)
     python benchmarks/campaign.py --seed 7 --trials 600
     python benchmarks/campaign.py --quick         # a handful of trials (the smoke test)
+    python benchmarks/campaign.py --layout hsdp --trials 70   # HSDP: 6 ranks, (3 replicas x 2 shards)
 
 Each trial trains a small model (a tiny GPT or an MLP, both with dropout) for ``steps`` steps on 3 ranks with
 ``SDCConfig(weights_every=1, replay_every=3, on_suspect="record")`` and, unless it is a healthy run, one fault drawn at
@@ -24,6 +25,14 @@ Outcome classes are decided from ground truth measured beside the monitor (never
 - row swap: ``rows equal (no-op)`` when the replicas' weights do not differ after the fault step (the two rows held
   the same values, as a freshly initialised LayerNorm's do).
 Classes that cannot change the outcome, or sit outside what a check samples, are reported on their own rows.
+
+HSDP (``--layout hsdp``): 6 gloo ranks on a ``(3 replicas, 2 shards)`` device mesh; every submodule that holds
+parameters (the MLP's Linears, the GPT's blocks) and then the root are sharded with ``fully_shard``, and the monitor
+takes the sharded model as it is. Rank r holds shard ``r % 2``; its replicas are the ranks with the same shard index.
+Weight bit flips and row swaps hit this rank's local shard (element and rows are drawn from the local shard of the
+faulty rank), and the ground truth compares each shard among its replicas. One more kind: a NaN in one rank's batch
+(the MLP), which ``grad_local`` must name from that rank's reduce-scatter input. The DDP-only kinds (``nonfinite_grad``
+through parameter hooks, ``reduced_grad`` through the DDP comm hook) are not run, and the output says so.
 
 Scoring: a fault is detected when any incident comes at or after its step; latency is the first such incident's step
 minus the fault's step; the attribution is right when that first verdict names the faulty rank alone. Per check,
@@ -57,14 +66,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import GPT, lm_loss, load_warning, median, table, token_batches, write_json
 
 import sdc_telemetry as sdc
-from sdc_telemetry.faults import FaultInjector
+from sdc_telemetry.faults import FaultInjector, swap_rows
 from sdc_telemetry.testing import RankFailed, spawn_ranks
 
 CHECKS = ("grad_local", "grad_reduced", "replay", "weights")
 KINDS = ("healthy", "weight_bitflip", "nonfinite_grad", "reduced_grad", "compute_persistent", "compute_transient",
          "row_swap", "nan_every_rank")
 NAN_KIND = "nan_every_rank"  # not a hardware fault: every rank sees the same NaN
-TINY_GPT = {"vocab": 64, "dim": 32, "layers": 2, "heads": 2, "seq": 16, "dropout": 0.1}
+NAN_ONE = "nan_one_rank"  # HSDP only: a NaN in one rank's batch, named by grad_local
+HSDP_KINDS = ("healthy", "weight_bitflip", "compute_persistent", "compute_transient", "row_swap", NAN_ONE, NAN_KIND)
+HSDP_MESH = (3, 2)  # (replicas, shards): rank r holds shard r % 2
+HSDP_SKIPPED = {
+    "nonfinite_grad": "injected through per-parameter gradient hooks before DDP's buckets; on HSDP a NaN in one "
+                      "rank's batch (nan_one_rank) covers a non-finite local gradient",
+    "reduced_grad": "injected through a DDP comm hook; FSDP2 has no comm hook to corrupt the reduced gradient with",
+}
+LAYOUTS = ("ddp", "hsdp")
+TINY_GPT: dict[str, Any] = {"vocab": 64, "dim": 32, "layers": 2, "heads": 2, "seq": 16, "dropout": 0.1}
 
 
 # -- models ---------------------------------------------------------------------------------------------------------
@@ -85,6 +103,26 @@ def build(model: str, seed: int) -> nn.Module:
     return GPT(**TINY_GPT) if model == "gpt" else mlp()
 
 
+def shard(module: nn.Module, mesh: Any) -> nn.Module:
+    """``fully_shard`` each submodule that holds parameters (the MLP's Linears, the GPT's blocks), then the root (which
+    keeps the GPT's embeddings, final LayerNorm and tied head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    parts = module.blocks if isinstance(module, GPT) else module.children()
+    for part in parts:
+        if next(part.parameters(), None) is None:
+            continue  # GELU, Dropout
+        fully_shard(part, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    return module
+
+
+def kinds_of(layout: str) -> tuple[str, ...]:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return KINDS if layout == "ddp" else HSDP_KINDS
+
+
 def batches(model: str, steps: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if model == "gpt":
         return token_batches(steps, 4, TINY_GPT["seq"], TINY_GPT["vocab"], seed)
@@ -96,10 +134,17 @@ def loss_fn(model: str) -> Any:
     return lm_loss if model == "gpt" else cls_loss
 
 
-def _targets(model: str) -> tuple[list[tuple[str, int, int]], list[str]]:
-    """(parameter name, numel, rows) and perturbable module names of ``model``, as every rank sees them."""
+def _targets(model: str, shard_index: int = 0, shards: int = 1
+             ) -> tuple[list[tuple[str, int, int]], list[str]]:
+    """(parameter name, numel, rows) of each parameter's shard ``shard_index`` of ``shards`` (dim 0 split as
+    ``fully_shard`` splits it, by ``torch.chunk``; the whole parameter for one shard), and perturbable module
+    names of ``model``."""
     m = build(model, 0)
-    params = [(n, p.numel(), p.shape[0] if p.dim() else 0) for n, p in m.named_parameters()]
+    params = []
+    for n, p in m.named_parameters():
+        chunks = torch.empty(p.shape, device="meta").chunk(shards) if p.dim() else (p,)
+        local = chunks[shard_index] if shard_index < len(chunks) else torch.empty(0, device="meta")
+        params.append((n, local.numel(), local.shape[0] if local.dim() else 0))
     modules = [n for n, sub in m.named_modules() if n and isinstance(sub, (nn.Linear, nn.LayerNorm, nn.Embedding))]
     return params, modules
 
@@ -107,26 +152,34 @@ def _targets(model: str) -> tuple[list[tuple[str, int, int]], list[str]]:
 # -- plan -----------------------------------------------------------------------------------------------------------
 
 
-def plan(trials: int, seed: int, world: int, steps: int) -> list[dict[str, Any]]:
+def plan(trials: int, seed: int, world: int, steps: int, layout: str = "ddp") -> list[dict[str, Any]]:
     """The campaign: kinds stratified (each kind equally often, in random order), a GradScaler on every third trial
-    of each kind, every other choice drawn at random."""
+    of each kind, every other choice drawn at random. On HSDP, elements and rows are drawn in the faulty rank's
+    local shard."""
+    kind_list = kinds_of(layout)
+    shards = HSDP_MESH[1] if layout == "hsdp" else 1
+    if world % shards:
+        raise ValueError(f"world {world} is not a multiple of {shards} shards")
     rng = random.Random(seed)
-    # i % 3 and i % len(KINDS) cycle independently: every kind gets the scaler on a third of its trials
-    kinds = [(KINDS[i % len(KINDS)], i % 3 == 2) for i in range(trials)]
+    # i % 3 and i % len(kinds) cycle independently (len(kinds) is not a multiple of 3): every kind gets the scaler
+    # on a third of its trials
+    kinds = [(kind_list[i % len(kind_list)], i % 3 == 2) for i in range(trials)]
     rng.shuffle(kinds)
-    targets = {m: _targets(m) for m in ("gpt", "mlp")}
+    targets = {(m, s): _targets(m, s, shards) for m in ("gpt", "mlp") for s in range(shards)}
     out = []
     for i, (kind, scaler) in enumerate(kinds):
         model = rng.choice(("gpt", "mlp"))
-        if kind == NAN_KIND:
+        if kind in (NAN_KIND, NAN_ONE):
             model = "mlp"  # the GPT's inputs are token ids: a NaN goes into the MLP's float inputs
-        params, modules = targets[model]
         t: dict[str, Any] = {"id": i, "kind": kind, "model": model, "scaler": scaler, "seed": rng.randrange(2**31),
                              "rank": rng.randrange(world), "step": rng.randrange(max(1, steps - 3))}
+        params, modules = targets[model, t["rank"] % shards]
         if kind == "healthy":
             t["rank"], t["step"] = None, None
         elif kind == NAN_KIND:
             t["rank"] = None
+        elif kind == NAN_ONE:
+            pass  # the rank and step drawn above
         elif kind == "weight_bitflip":
             name, numel, _ = rng.choice(params)
             t.update(param=name, index=rng.randrange(numel), bit=rng.randrange(32))
@@ -150,24 +203,48 @@ def plan(trials: int, seed: int, world: int, steps: int) -> list[dict[str, Any]]
 # -- one trial (on every rank) --------------------------------------------------------------------------------------
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a ``fully_shard``-ed (DTensor) parameter; a plain tensor as it is."""
+    to_local = getattr(p, "to_local", None)
+    return to_local() if to_local is not None else p  # type: ignore[no-any-return]
+
+
 def _digest(module: nn.Module) -> str:
     h = hashlib.sha1()
     for p in module.parameters():
-        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(_local(p).detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
-def _trial(t: dict[str, Any], steps: int, replay_every: int) -> dict[str, Any]:
+def _replicas_differ(values: list[Any], shards: int) -> bool:
+    """Some shard's value differs among its replicas (ranks ``s, s + shards, ...``); one shard: among all ranks."""
+    return any(len(set(values[s::shards])) > 1 for s in range(shards))
+
+
+def _trial(t: dict[str, Any], steps: int, replay_every: int, mesh: Any = None) -> dict[str, Any]:
+    """One trial on every rank: DDP, or fully_shard on ``mesh`` (HSDP) when one is given."""
     rank, world = dist.get_rank(), dist.get_world_size()
     module = build(t["model"], t["seed"])
-    ddp = DistributedDataParallel(module)
+    shards = 1 if mesh is None else mesh.size(1)
+    ddp = DistributedDataParallel(module) if mesh is None else shard(module, mesh)  # what trains: the wrapped model
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     inj = FaultInjector(ddp, opt)
     kind = t["kind"]
+    swapped: list[str] = []
     if kind == "weight_bitflip":
         inj.flip_weight_bit(rank=t["rank"], step=t["step"], param=t["param"], index=t["index"], bit=t["bit"])
-    elif kind == "row_swap":
+    elif kind == "row_swap" and mesh is None:
         inj.swap_rows(rank=t["rank"], step=t["step"], param=t["param"], rows=(t["rows"][0], t["rows"][1]))
+    elif kind == "row_swap":
+        # FaultInjector.swap_rows indexes the whole (DTensor) parameter; the rows drawn are rows of the local shard
+        local = _local(dict(module.named_parameters())[t["param"]])
+
+        def swap(*_: Any) -> None:
+            if rank == t["rank"] and step == t["step"] and not swapped:
+                swap_rows(local.data, t["rows"][0], t["rows"][1])
+                swapped.append(f"rows {t['rows']} of {t['param']}'s local shard swapped at step {step}")
+
+        ddp.register_forward_pre_hook(swap)
     elif kind == "nonfinite_grad":
         inj.nonfinite_grad(rank=t["rank"], step=t["step"], param=t["param"], index=t["index"],
                            value=float(t["value"]))
@@ -177,7 +254,8 @@ def _trial(t: dict[str, Any], steps: int, replay_every: int) -> dict[str, Any]:
         inj.perturb_output(rank=t["rank"], step=t["step"], module=t["module"], relative=t["relative"],
                            transient=kind == "compute_transient")
     fn = loss_fn(t["model"])
-    monitor = sdc.SDCMonitor(ddp, opt, loss_fn=fn, comm_hook=inj.comm_hook, comm_state=None,
+    ddp_only: dict[str, Any] = {"comm_hook": inj.comm_hook, "comm_state": None} if mesh is None else {}
+    monitor = sdc.SDCMonitor(ddp, opt, loss_fn=fn, **ddp_only,
                              config=sdc.SDCConfig(weights_every=1, replay_every=replay_every, on_suspect="record",
                                                   metrics_port=None, nvml=False),
                              observer=sdc.Observer())
@@ -186,14 +264,16 @@ def _trial(t: dict[str, Any], steps: int, replay_every: int) -> dict[str, Any]:
     truth: dict[str, Any] = {"diverged_steps": [], "flip": None, "flip_absorbed": None}
     elem = None
     if kind == "weight_bitflip":
-        elem = dict(module.named_parameters())[t["param"]].detach().view(-1)
+        elem = _local(dict(module.named_parameters())[t["param"]]).detach().view(-1)
+        # on HSDP the index is into the faulty rank's shard: other shards may be shorter
+        here = t["index"] < elem.numel() and rank % shards == t["rank"] % shards
 
         def after_flip(*_: Any) -> None:
             if step == t["step"] and truth["flip"] is None and elem is not None:
                 values: list[Any] = [None] * world
-                dist.all_gather_object(values, float(elem[t["index"]]))
+                dist.all_gather_object(values, float(elem[t["index"]]) if here else None)
                 truth["flip"] = {"faulty": values[t["rank"]],
-                                 "healthy": values[(t["rank"] + 1) % world]}
+                                 "healthy": values[(t["rank"] + shards) % world]}  # a replica of the same shard
 
         ddp.register_forward_pre_hook(after_flip)  # after the injector's own pre-hook: sees the flipped value
 
@@ -203,12 +283,12 @@ def _trial(t: dict[str, Any], steps: int, replay_every: int) -> dict[str, Any]:
         nonlocal step
         digests: list[Any] = [None] * world
         dist.all_gather_object(digests, _digest(module))
-        if len(set(digests)) > 1:
+        if _replicas_differ(digests, shards):
             truth["diverged_steps"].append(step)
         if kind == "weight_bitflip" and step == t["step"] and elem is not None:
             bits: list[Any] = [None] * world
-            dist.all_gather_object(bits, elem[t["index"]].view(1).view(torch.int32).item())
-            truth["flip_absorbed"] = len(set(bits)) == 1
+            dist.all_gather_object(bits, elem[t["index"]].view(1).view(torch.int32).item() if here else None)
+            truth["flip_absorbed"] = len(set(bits[t["rank"] % shards::shards])) == 1
         step += 1
 
     scaler = torch.amp.GradScaler("cpu") if t.get("scaler") else None
@@ -217,6 +297,11 @@ def _trial(t: dict[str, Any], steps: int, replay_every: int) -> dict[str, Any]:
             x, y = batch
             x = x.clone()
             x[0, 0] = math.nan  # the same NaN in every rank's batch: a bad sample, not a bad node
+            batch = (x, y)
+        if kind == NAN_ONE and step == t["step"] and rank == t["rank"]:
+            x, y = batch
+            x = x.clone()
+            x[0, 0] = math.nan  # one rank's input: its local gradient goes non-finite, the others' do not
             batch = (x, y)
         with monitor.step(batch) as st:
             st.backward(fn(ddp, batch), scaler=scaler)
@@ -232,16 +317,21 @@ def _trial(t: dict[str, Any], steps: int, replay_every: int) -> dict[str, Any]:
     incidents = [{"step": i.step, "last_step": i.last_step, "check": i.check, "suspects": list(i.suspect_ranks),
                   "verdict": i.evidence.get("verdict"), "ambiguous": bool(i.evidence.get("ambiguous", False))}
                  for i in monitor.incidents]
-    return {"id": t["id"], "incidents": incidents, "fired": bool(inj.fired), **truth}
+    return {"id": t["id"], "incidents": incidents, "fired": bool(inj.fired or swapped), **truth}
 
 
-def _group(rank: int, world: int, trials: list[dict[str, Any]], steps: int, replay_every: int
+def _group(rank: int, world: int, trials: list[dict[str, Any]], steps: int, replay_every: int, layout: str = "ddp"
            ) -> list[dict[str, Any]]:
     logging.getLogger("sdc_telemetry").setLevel(logging.CRITICAL)  # incidents are the point here: keep stderr quiet
+    mesh = None
+    if layout == "hsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world // HSDP_MESH[1], HSDP_MESH[1]), mesh_dim_names=("replicate", "shard"))
     out = []
     for t in trials:
         try:
-            out.append(_trial(t, steps, replay_every))
+            out.append(_trial(t, steps, replay_every, mesh))
         except Exception as e:  # same plan on every rank: a planning error happens on all of them alike
             out.append({"id": t["id"], "error": f"{type(e).__name__}: {e}"})
     return out
@@ -271,6 +361,8 @@ def classify(t: dict[str, Any], r: dict[str, Any], replay_every: int) -> str:
         return "effective" if any(s >= t["step"] for s in r.get("diverged_steps", [])) else "rows equal (no-op)"
     if kind == NAN_KIND:
         return "numerics (not a fault)"
+    if kind == NAN_ONE and t.get("scaler"):
+        return "GradScaler: expected overflow"  # recorded as numerics, never attributed
     return "effective" if kind != "healthy" else "healthy"
 
 
@@ -281,6 +373,7 @@ def score(trials: list[dict[str, Any]], results: dict[int, dict[str, Any]], step
     false_by_check = dict.fromkeys(CHECKS, 0)
     by_scaler: dict[str, dict[str, Any]] = {}
     nan_runs = {"trials": 0, "numerics_recorded": 0, "false_suspect_incidents": 0}
+    nan_one = {"trials_without_scaler": 0, "named_by_grad_local": 0}
     errors = []
     for t in trials:
         r = results.get(t["id"])
@@ -302,6 +395,10 @@ def score(trials: list[dict[str, Any]], results: dict[int, dict[str, Any]], step
             nan_runs["numerics_recorded"] += int(any(i["verdict"] == "numerics" and i["step"] == fault_step
                                                      for i in after))
             nan_runs["false_suspect_incidents"] += sum(1 for i in after if i["suspects"])
+        if t["kind"] == NAN_ONE and not t.get("scaler"):  # with a scaler, a NaN on one rank is an expected overflow
+            nan_one["trials_without_scaler"] += 1
+            nan_one["named_by_grad_local"] += int(any(i["check"] == "grad_local" and i["suspects"] == [t["rank"]]
+                                                      and i["step"] == fault_step for i in after))
         if t["kind"] == "healthy":
             continue
         cls = classify(t, r, replay_every)
@@ -315,7 +412,7 @@ def score(trials: list[dict[str, Any]], results: dict[int, dict[str, Any]], step
                                                   "first_by_check": dict.fromkeys(CHECKS, 0),
                                                   "by_check": dict.fromkeys(CHECKS, 0)})
         row["injected"] += 1
-        row["fired"] += int(r["fired"]) if t["kind"] != NAN_KIND else 1
+        row["fired"] += int(r["fired"]) if t["kind"] not in (NAN_KIND, NAN_ONE) else 1  # a bad batch always "fires"
         for c in {i["check"] for i in after}:
             row["by_check"][c] += 1
         if not after:
@@ -343,7 +440,7 @@ def score(trials: list[dict[str, Any]], results: dict[int, dict[str, Any]], step
             "false_incidents_per_1000_rank_steps": per_1000,
             "false_incidents_per_1000_upper95": upper,
             "false_incidents_total_per_1000": 1000 * sum(false_by_check.values()) / max(healthy_rank_steps, 1),
-            "by_scaler": by_scaler, "nan_every_rank": nan_runs, "errors": errors}
+            "by_scaler": by_scaler, "nan_every_rank": nan_runs, "nan_one_rank": nan_one, "errors": errors}
 
 
 def _detected(k: dict[str, int] | None, kind: str) -> str:
@@ -379,20 +476,23 @@ def poisson_upper(k: int, exposure: float, confidence: float = 0.95) -> float:
 # -- driver ---------------------------------------------------------------------------------------------------------
 
 
-def run(trials: int = 240, seed: int = 0, world: int = 3, steps: int = 10, replay_every: int = 3,
-        per_spawn: int = 30, timeout: float = 300.0, out_dir: str | Path | None = None, quiet: bool = False
-        ) -> dict[str, Any]:
-    """Run the campaign, print the tables, write ``campaign.json``; return the payload."""
+def run(trials: int = 240, seed: int = 0, world: int | None = None, steps: int = 10, replay_every: int = 3,
+        per_spawn: int = 30, timeout: float = 300.0, out_dir: str | Path | None = None, quiet: bool = False,
+        layout: str = "ddp") -> dict[str, Any]:
+    """Run the campaign, print the tables, write ``campaign.json`` (``campaign_hsdp.json`` for HSDP); return the
+    payload. ``world`` defaults to 3 ranks for DDP and 6 (3 replicas x 2 shards) for HSDP."""
     say = (lambda *_a: None) if quiet else print
+    kinds = kinds_of(layout)
+    world = world or (3 if layout == "ddp" else HSDP_MESH[0] * HSDP_MESH[1])
     if (warn := load_warning()) is not None:
         say(warn)
     t0 = time.perf_counter()
-    planned = plan(trials, seed, world, steps)
+    planned = plan(trials, seed, world, steps, layout)
     results: dict[int, dict[str, Any]] = {}
     for start in range(0, len(planned), per_spawn):
         chunk = planned[start:start + per_spawn]
         try:
-            per_rank = spawn_ranks(_group, world, args=(chunk, steps, replay_every), timeout=timeout)
+            per_rank = spawn_ranks(_group, world, args=(chunk, steps, replay_every, layout), timeout=timeout)
         except RankFailed as e:  # a hung or crashed group is reported, and the campaign goes on
             for t in chunk:
                 results[t["id"]] = {"id": t["id"], "error": f"RankFailed: {str(e)[:2000]}"}
@@ -414,8 +514,8 @@ def run(trials: int = 240, seed: int = 0, world: int = 3, steps: int = 10, repla
                      *[f"{r['first_by_check'][c]} / {r['by_check'][c]}" for c in CHECKS]])
     say(table(["fault", "class", "injected", "fired", "detected", "right rank alone", "ambiguous incl. right",
                "latency steps (median / max)", *[f"{c}: first / any" for c in CHECKS]], rows,
-              title=f"Fault-injection campaign: {trials} trials, seed {seed}, {world} ranks, {steps} steps each, "
-                    f"weights_every=1, replay_every={replay_every}"))
+              title=f"Fault-injection campaign: {trials} trials, seed {seed}, {world} ranks{_layout(layout, world)}, "
+                    f"{steps} steps each, weights_every=1, replay_every={replay_every}"))
     say()
     say(table(["check", "false incidents", "healthy rank-steps", "per 1,000 rank-steps", "95% upper bound"],
               [[c, s["false_incidents"][c], s["healthy_rank_steps"],
@@ -426,7 +526,7 @@ def run(trials: int = 240, seed: int = 0, world: int = 3, steps: int = 10, repla
     splits = sorted(s["by_scaler"])
     say(table(["fault", *[f"{x}: detected / right rank alone" for x in splits]],
               [[kind, *[_detected(s["by_scaler"][x]["kinds"].get(kind), kind) for x in splits]]
-               for kind in KINDS if kind != "healthy"]
+               for kind in kinds if kind != "healthy"]
               + [["false incidents per 1,000 healthy rank-steps",
                   *[_false_rate(s["by_scaler"][x]) for x in splits]]],
               title="Without and with a GradScaler (all classes of each kind)"))
@@ -435,19 +535,37 @@ def run(trials: int = 240, seed: int = 0, world: int = 3, steps: int = 10, repla
     say(f"target: a NaN in every rank's batch names no suspect: {nan['false_suspect_incidents']} incidents naming a "
         f"suspect in {nan['trials']} trials ({nan['numerics_recorded']} recorded as numerics at the NaN step) -> "
         f"{'met' if nan['false_suspect_incidents'] == 0 else 'MISSED'}")
+    if layout == "hsdp":
+        one = s["nan_one_rank"]
+        n_one = one["trials_without_scaler"]
+        verdict = "n/a (no such trial)" if not n_one else "met" if one["named_by_grad_local"] == n_one else "MISSED"
+        say(f"target: a NaN in one rank's batch (no GradScaler) is named by grad_local alone at the NaN step: "
+            f"{one['named_by_grad_local']}/{n_one} -> {verdict}")
+        for kind, why in HSDP_SKIPPED.items():
+            say(f"not run on HSDP: {kind} ({why})")
     say()
     if s["errors"]:
         say(f"{len(s['errors'])} trials failed to run: {s['errors'][:3]}")
+    if layout == "ddp":
+        del s["nan_one_rank"]  # no such kind on DDP
     payload = {"trials": trials, "seed": seed, "world": world, "steps": steps, "replay_every": replay_every,
                "wall_s": wall, **s, "plan": planned, "results": [results.get(t["id"]) for t in planned]}
-    path = write_json("campaign", payload, out_dir)
+    if layout == "hsdp":
+        payload.update(layout="hsdp", mesh=[world // HSDP_MESH[1], HSDP_MESH[1]], skipped=HSDP_SKIPPED)
+    path = write_json("campaign" if layout == "ddp" else "campaign_hsdp", payload, out_dir)
     say(f"wrote {path} ({wall:.0f} s)")
     return payload
+
+
+def _layout(layout: str, world: int) -> str:
+    return "" if layout == "ddp" else f" (HSDP: {world // HSDP_MESH[1]} replicas x {HSDP_MESH[1]} shards, fully_shard)"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a handful of short trials: checks that it runs")
+    p.add_argument("--layout", choices=LAYOUTS, default="ddp",
+                   help="ddp: 3 ranks, DistributedDataParallel; hsdp: 6 ranks, fully_shard on a (3, 2) mesh")
     p.add_argument("--trials", type=int, default=240)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=10)
@@ -456,10 +574,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--out-dir", help="where campaign.json goes (default benchmarks/results)")
     a = p.parse_args(argv)
     if a.quick:
-        run(trials=len(KINDS), seed=a.seed, steps=5, replay_every=2, per_spawn=len(KINDS), out_dir=a.out_dir)
+        n = len(kinds_of(a.layout))
+        run(trials=n, seed=a.seed, steps=5, replay_every=2, per_spawn=n, out_dir=a.out_dir, layout=a.layout)
     else:
         run(trials=a.trials, seed=a.seed, steps=a.steps, replay_every=a.replay_every, per_spawn=a.per_spawn,
-            out_dir=a.out_dir)
+            out_dir=a.out_dir, layout=a.layout)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,44 @@ def test_campaign_quick_scores_every_fault_kind(bench, tmp_path, capsys):
     assert set(data["false_incidents_per_1000_upper95"]) == set(campaign.CHECKS)
 
 
+def test_campaign_hsdp_quick_scores_every_hsdp_kind(bench, tmp_path, capsys):
+    """campaign.py --layout hsdp --quick runs one trial of each HSDP kind on a (3, 2) fully_shard mesh of 6 ranks
+    without harness errors, scores them in the DDP tables and names the DDP-only kinds it skips."""
+    campaign = bench("campaign")
+    campaign.main(["--layout", "hsdp", "--quick", "--out-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "HSDP: 3 replicas x 2 shards" in out and "False incidents" in out and "GradScaler" in out
+    assert out.count("target:") == 2
+    assert all(f"not run on HSDP: {kind} (" in out for kind in ("nonfinite_grad", "reduced_grad"))
+    data = _result(tmp_path, "campaign_hsdp")
+    assert data["errors"] == [] and data["world"] == 6 and data["mesh"] == [3, 2]
+    assert sorted(t["kind"] for t in data["plan"]) == sorted(campaign.HSDP_KINDS)
+    assert set(data["skipped"]) == {"nonfinite_grad", "reduced_grad"}
+    assert sum(r["injected"] for r in data["rows"]) == len(campaign.HSDP_KINDS) - 1  # every kind but healthy
+    assert {r["kind"] for r in data["rows"]} == set(campaign.HSDP_KINDS) - {"healthy"}
+    assert all(0 <= r["right"] + r["ambiguous"] <= r["detected"] <= r["injected"] for r in data["rows"])
+    assert data["healthy_rank_steps"] > 0 and data["nan_every_rank"]["trials"] == 1
+    assert {"trials_without_scaler", "named_by_grad_local"} <= set(data["nan_one_rank"])
+
+
+def test_campaign_hsdp_plan_draws_in_the_local_shard(bench):
+    """On HSDP, flipped elements and swapped rows lie in the faulty rank's shard (half of dim 0), DDP-only kinds are
+    never drawn, and a NaN in one rank's batch names a rank of the MLP."""
+    campaign = bench("campaign")
+    a = campaign.plan(6 * len(campaign.HSDP_KINDS), seed=2, world=6, steps=10, layout="hsdp")
+    assert {t["kind"] for t in a} == set(campaign.HSDP_KINDS)
+    full = {m: {n: p for n, p in campaign.build(m, 0).named_parameters()} for m in ("gpt", "mlp")}
+    for t in a:
+        if t["kind"] in ("weight_bitflip", "row_swap"):
+            p = full[t["model"]][t["param"]]
+            local = p.chunk(2)[t["rank"] % 2]
+            assert t.get("index", 0) < local.numel() and max(t.get("rows", [0])) < local.shape[0], t
+    ones = [t for t in a if t["kind"] == campaign.NAN_ONE]
+    assert ones and all(t["model"] == "mlp" and 0 <= t["rank"] < 6 for t in ones)
+    with pytest.raises(ValueError, match="layout"):
+        campaign.plan(7, seed=0, world=6, steps=10, layout="fsdp1")
+
+
 def test_poisson_upper_bound(bench):
     """No events in n trials bounds the rate by ln(20)/n, about 3/n (the rule of three); more events raise it."""
     campaign = bench("campaign")
