@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 import struct
 from collections import deque
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -306,23 +306,21 @@ class ReplayCheck:
 
     def _recompute(self, micro: Sequence[MicroBatch]) -> _Result:
         """Recompute losses and accumulated local gradients without touching .grad, buffers, RNG or DDP state."""
-        if self._layout is not None:
-            return self._recompute_sharded(micro)
-        cpu_rng = torch.get_rng_state()
-        dev_rng = torch.cuda.get_rng_state(self._device) if self._device.type == "cuda" else None
-        buffers = [(b, b.detach().clone()) for b in self._module.buffers()]
-        self._replaying = True
-        try:
+        losses: list[float] = []
+        with self._preserved():
+            if self._layout is not None:
+                # FSDP2: forward and backward through the sharded model (every rank at once), gradient sync off,
+                # each parameter's unsharded gradient collected in the reduce dtype (what the tap recorded).
+                def run_backward() -> None:
+                    for mb in micro:
+                        loss = self._loss_of(mb)
+                        scaled(loss, mb.scale, mb.grad_scale).backward()  # type: ignore[no-untyped-call]
+                        losses.append(float(loss.detach().double().item()))
+
+                return self._result(losses, recompute_grads(self._layout, self._params, run_backward))
             total: list[torch.Tensor | None] = [None] * len(self._params)
-            losses = []
             for mb in micro:
-                torch.set_rng_state(mb.cpu_rng)
-                if mb.dev_rng is not None and self._device.type == "cuda":
-                    torch.cuda.set_rng_state(mb.dev_rng, self._device)
-                ctx = (torch.autocast(self._device.type, dtype=mb.autocast[1])
-                       if mb.autocast is not None and mb.autocast[0] else nullcontext())
-                with torch.enable_grad(), ctx:
-                    loss = self._loss_fn(self._module, mb.batch)
+                loss = self._loss_of(mb)
                 grads = torch.autograd.grad(scaled(loss, mb.scale, mb.grad_scale), self._params, allow_unused=True)
                 for i, grad in enumerate(grads):
                     if grad is not None:
@@ -332,40 +330,26 @@ class ReplayCheck:
                         total[i] = grad if prev is None else prev + grad  # the order autograd accumulates .grad in
                 losses.append(float(loss.detach().double().item()))
             return self._result(losses, total)
-        finally:
-            self._replaying = False
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
-            torch.set_rng_state(cpu_rng)
-            if dev_rng is not None:
-                torch.cuda.set_rng_state(dev_rng, self._device)
 
-    def _recompute_sharded(self, micro: Sequence[MicroBatch]) -> _Result:
-        """FSDP2: forward and backward through the sharded model (every rank at once), gradient sync off, each
-        parameter's unsharded gradient collected in the reduce dtype: what the reduce-scatter tap recorded."""
-        assert self._layout is not None
+    def _loss_of(self, mb: MicroBatch) -> torch.Tensor:
+        """The micro-batch's loss under the origin's RNG and autocast state."""
+        torch.set_rng_state(mb.cpu_rng)
+        if mb.dev_rng is not None and self._device.type == "cuda":
+            torch.cuda.set_rng_state(mb.dev_rng, self._device)
+        ctx = (torch.autocast(self._device.type, dtype=mb.autocast[1])
+               if mb.autocast is not None and mb.autocast[0] else nullcontext())
+        with torch.enable_grad(), ctx:
+            return self._loss_fn(self._module, mb.batch)
+
+    @contextmanager
+    def _preserved(self) -> Iterator[None]:
+        """Buffers and RNG states as they were before the recomputation, whatever happens in it."""
         cpu_rng = torch.get_rng_state()
         dev_rng = torch.cuda.get_rng_state(self._device) if self._device.type == "cuda" else None
         buffers = [(b, b.detach().clone()) for b in self._module.buffers()]
-        losses: list[float] = []
-
-        def run_backward() -> None:
-            for mb in micro:
-                torch.set_rng_state(mb.cpu_rng)
-                if mb.dev_rng is not None and self._device.type == "cuda":
-                    torch.cuda.set_rng_state(mb.dev_rng, self._device)
-                ctx = (torch.autocast(self._device.type, dtype=mb.autocast[1])
-                       if mb.autocast is not None and mb.autocast[0] else nullcontext())
-                with torch.enable_grad(), ctx:
-                    loss = self._loss_fn(self._module, mb.batch)
-                scaled(loss, mb.scale, mb.grad_scale).backward()  # type: ignore[no-untyped-call]
-                losses.append(float(loss.detach().double().item()))
-
         self._replaying = True
         try:
-            total = recompute_grads(self._layout, self._params, run_backward)
-            return self._result(losses, total)
+            yield
         finally:
             self._replaying = False
             with torch.no_grad():
