@@ -96,30 +96,27 @@ class FaultInjector:
         if not 0 <= bit < target.element_size() * 8 or not 0 <= index < target.numel():  # fail now, not at step
             raise ValueError(f"bit {bit} / index {index} out of range for {param} ({target.dtype}, "
                              f"{target.numel()} elements on this rank)")
-        done = False
-
-        def pre_forward(*_: Any) -> None:
-            nonlocal done
-            if not done and self.rank == rank and self.step == step:
-                done = True
-                flip_bit(target.data, index, bit)
-                self.fired.append(f"weight bit {bit} of {param}[{index}] at step {step}")
-
-        self._handles.append(self.model.register_forward_pre_hook(pre_forward))
+        self._before_forward(rank, step, lambda: flip_bit(target.data, index, bit),
+                             f"weight bit {bit} of {param}[{index}] at step {step}")
 
     def swap_rows(self, *, rank: int, step: int, param: str | None = None, rows: tuple[int, int] = (0, 1)) -> None:
-        target = self._param(param)
+        target = _local(self._param(param))
         i, j = rows
         if target.dim() == 0 or not (0 <= i < target.shape[0] and 0 <= j < target.shape[0]) or i == j:
-            raise ValueError(f"rows {rows} are not two distinct rows of {param} {tuple(target.shape)}")
+            raise ValueError(f"rows {rows} are not two distinct rows of {param} {tuple(target.shape)} on this rank")
+        self._before_forward(rank, step, lambda: swap_rows(target.data, i, j),
+                             f"rows {i} and {j} of {param} swapped at step {step}")
+
+    def _before_forward(self, rank: int, step: int, action: Callable[[], None], what: str) -> None:
+        """Run ``action`` once on ``rank``, just before step ``step``'s first forward pass."""
         done = False
 
         def pre_forward(*_: Any) -> None:
             nonlocal done
             if not done and self.rank == rank and self.step == step:
                 done = True
-                swap_rows(target.data, i, j)
-                self.fired.append(f"rows {i} and {j} of {param} swapped at step {step}")
+                action()
+                self.fired.append(what)
 
         self._handles.append(self.model.register_forward_pre_hook(pre_forward))
 
