@@ -17,7 +17,7 @@ Why this shape:
 - Speed: a weight per word would cost a multiply pass over all of the data. The block sum is one read of the data
   and leaves 1/128 of it, small enough to mix and weight. It is a strided reduction: on CPU one core runs it at
   about 2/3 of ``torch.sum``'s speed (summing 32 rows, then 4 of those sums, is the fastest schedule found), so it
-  keeps up with memory from two cores on; GPUs reduce a strided dimension at full bandwidth.
+  needs more cores than ``torch.sum`` to keep up with memory; GPUs reduce a strided dimension at full bandwidth.
 - Changing ``B``, ``K``, ``mix`` or ``h`` changes every fingerprint, including those saved in weight
   certificates: the reference test pins the definition.
 - ``K`` is an odd prime, so row lengths of power-of-two layer widths never line up with it.
