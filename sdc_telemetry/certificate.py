@@ -34,7 +34,6 @@ _fingerprint_module = importlib.import_module(".fingerprint", __package__)
 
 __all__ = ["WeightCertificate", "fingerprint_algorithm", "format_fingerprint"]
 
-_DEFAULT_ALGORITHM = "sdc-fp1"
 _DDP_PREFIX = "module."
 _HEX_ROW = re.compile(r"[0-9a-f]{16}(-[0-9a-f]{16})*")
 _FIELDS = ("step", "fingerprints", "shapes", "dtypes", "algorithm", "world_size", "created_unix")
@@ -42,7 +41,7 @@ _FIELDS = ("step", "fingerprints", "shapes", "dtypes", "algorithm", "world_size"
 
 def fingerprint_algorithm() -> str:
     """The id of the fingerprint this installation computes (``FINGERPRINT_ALGORITHM`` of the fingerprint module)."""
-    return str(getattr(_fingerprint_module, "FINGERPRINT_ALGORITHM", _DEFAULT_ALGORITHM))
+    return str(_fingerprint_module.FINGERPRINT_ALGORITHM)
 
 
 def format_fingerprint(row: Iterable[int]) -> str:

@@ -50,7 +50,11 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["digest", "fingerprint"]
+__all__ = ["digest", "fingerprint", "FINGERPRINT_ALGORITHM"]
+
+# The id weight certificates record: a certificate is only verified by the algorithm that made it (the first,
+# position-blind word sum was "sdc-fp1").
+FINGERPRINT_ALGORITHM = "sdc-fp2"
 
 _WORD = 8
 _B = 128  # rows summed per block: the partial sums are 1/_B of the data
