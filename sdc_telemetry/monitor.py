@@ -210,6 +210,7 @@ class SDCMonitor:
         self._step = start_step - 1
         self._pending: _Measured | None = None
         self._absent: torch.Tensor | None = None
+        self._minority: tuple[tuple[int, ...], int] = ((), 0)  # ranks non-finite alone, and for how many steps
         # On CUDA, read healthy verdicts one step later rather than wait for the GPU (the same on every rank).
         self._defer_verdicts = self.device.type == "cuda"
         self._open = False
@@ -503,6 +504,7 @@ class SDCMonitor:
 
     def _grad_verdict(self, m: _Measured, high: list[int], low: list[int]) -> Finding | None:
         if not (high[LOCAL_NONFINITE] or high[REDUCED_NONFINITE]):
+            self._minority = ((), 0)
             return None
         fields = (LOCAL_MEASURED, LOCAL_NONFINITE, REDUCED_MEASURED, REDUCED_NONFINITE)
         if all(high[f] == low[f] for f in fields):  # every rank alike: no per-rank detail needed
@@ -517,7 +519,11 @@ class SDCMonitor:
                 rows.append(grad_check.GradStatus(r, bool(g[0]), bool(g[0]) and not math.isfinite(loc),
                                                   self._distributed, self._distributed and not math.isfinite(red),
                                                   loc, red))
-        finding = self._guard("grad", grad_check.decide, rows, overflow_expected=bool(high[SCALER]))
+        minority = grad_check.nonfinite_minority(rows)
+        repeats = self._minority[1] if minority and minority == self._minority[0] else 0
+        self._minority = (minority, repeats + 1 if minority else 0)
+        finding = self._guard("grad", grad_check.decide, rows, overflow_expected=bool(high[SCALER]),
+                              repeats=repeats)
         if finding is not None and finding.suspect_ranks and finding.check == "grad_local":
             finding = self._with_nonfinite_names(m, finding)
         return finding  # type: ignore[no-any-return]

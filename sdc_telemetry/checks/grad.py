@@ -28,7 +28,8 @@ from ..fingerprint import digest, fingerprint
 from . import Finding
 from .evidence import json_float, top
 
-__all__ = ["GradRecord", "CommHookState", "comm_hook", "reduced_norms", "decide", "GradStatus"]
+__all__ = ["GradRecord", "CommHookState", "comm_hook", "reduced_norms", "decide", "GradStatus", "SCALER_PATIENCE",
+           "nonfinite_minority"]
 
 GradBucket = Any  # torch.distributed.GradBucket (a pybind class the type checker cannot see)
 CommHook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
@@ -189,11 +190,25 @@ class GradStatus:
     reduced_norm: float = math.nan
 
 
-def decide(rows: Sequence[GradStatus], *, overflow_expected: bool = False) -> Finding | None:
+# With a GradScaler, the same minority of ranks non-finite at this many consecutive steps is not an overflow: the
+# scaler halves its scale at every overflow, so a real one is gone after a few steps (2**5 = 32 times smaller).
+SCALER_PATIENCE = 5
+
+
+def nonfinite_minority(rows: Sequence[GradStatus]) -> tuple[int, ...]:
+    """The ranks whose local gradients are non-finite while others' are finite (empty otherwise)."""
+    measured = [s for s in rows if s.local_measured]
+    bad = tuple(s.rank for s in measured if s.local_nonfinite)
+    return bad if len(bad) < len(measured) else ()
+
+
+def decide(rows: Sequence[GradStatus], *, overflow_expected: bool = False, repeats: int = 0) -> Finding | None:
     """Same verdict on every rank from the ranks' gradient status.
 
     - Local non-finite on every measured rank (or, with a GradScaler, on any rank: an fp16 overflow is routine and
-      the scaler skips the step everywhere): a ``numerics`` event of ``grad_local``, no suspect.
+      the scaler skips the step everywhere): a ``numerics`` event of ``grad_local``, no suspect. ``repeats``: how
+      many steps in a row the same minority was non-finite before this one; with a GradScaler, at
+      ``SCALER_PATIENCE`` steps in a row the minority is named (verdict ``persistent_nonfinite``).
     - Local non-finite on some ranks only: those ranks are the ``grad_local`` suspects (their NaN reaches every
       replica through the all-reduce, so reduced non-finites are expected then).
     - Every local gradient finite, reduced non-finite on some ranks only: ``grad_reduced``, verdict
@@ -204,6 +219,13 @@ def decide(rows: Sequence[GradStatus], *, overflow_expected: bool = False) -> Fi
     local_bad = [s for s in measured if s.local_nonfinite]
     if local_bad:
         every = len(local_bad) == len(measured) and len(rows) > 1
+        if not every and overflow_expected and repeats + 1 >= SCALER_PATIENCE:
+            return Finding("grad_local", tuple(s.rank for s in local_bad), {
+                "verdict": "persistent_nonfinite", "consecutive_steps": repeats + 1,
+                "nonfinite_ranks": len(local_bad), "ranks": len(rows),
+                "reason": "non-finite local gradients on the same ranks at every step while the GradScaler kept "
+                          "lowering its scale: not an overflow",
+                "local_grad_norm": top({str(s.rank): json_float(s.local_norm) for s in local_bad})})
         if every or overflow_expected:
             return Finding("grad_local", (), {
                 "verdict": "numerics", "nonfinite_ranks": len(local_bad), "ranks": len(rows),

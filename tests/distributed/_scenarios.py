@@ -166,6 +166,10 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
             if sc.get("nan_all_step") == k:  # a bad batch on every rank: numerics, not hardware
                 for mb in micro:
                     mb["x"][0, 0] = float("nan")
+            nan_from = sc.get("nan_rank_from")
+            if nan_from and rank == nan_from["rank"] and k >= nan_from["step"]:  # a rank that keeps computing NaN
+                for mb in micro:
+                    mb["x"][0, 0] = float("nan")
             if sc.get("batch_type") == "namedtuple":
                 micro = [Pair(mb["x"], mb["y"]) for mb in micro]  # type: ignore[misc]
             elif sc.get("batch_type") == "ordereddict":

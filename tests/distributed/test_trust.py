@@ -34,6 +34,8 @@ def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "scaler_comm": {"config": {"replay_every": 0}, "steps": 6, "scaler": True,
                         "fault": {"kind": "corrupt_reduced_grad", "rank": 2, "step": 3, "index": 1,
                                   "value": math.inf}},
+        "scaler_persistent_nan": {"config": {"replay_every": 0, "on_suspect": "raise"}, "steps": 10, "scaler": True,
+                                  "nan_rank_from": {"rank": 1, "step": 2}},
         "scaler_replay_fault": {"config": {"replay_every": 2}, "steps": 5, "scaler": True,
                                 "fault": {"kind": "perturb_output", "rank": 0, "step": 2, "module": "act",
                                           "relative": 1e-3}},
@@ -107,6 +109,16 @@ def test_grad_scaler_with_rank_local_inf_detected_without_hang(three_ranks: dict
     _same_everywhere(per_rank)
     assert _verdicts(per_rank[0])[:2] == [(3, "grad_reduced", (2,)), (4, "weights", (2,))]
     assert per_rank[0]["incidents"][0]["evidence"]["verdict"] == "communication"
+
+
+def test_grad_scaler_overflow_is_numerics_until_it_persists_on_one_rank(three_ranks: dict[str, Any]) -> None:
+    """With a GradScaler, rank 1 non-finite alone is an overflow at first (numerics, training goes on); still alone
+    5 steps in a row while the scaler lowers its scale, it is named and every rank stops."""
+    per_rank = three_ranks["scaler_persistent_nan"]
+    _same_everywhere(per_rank)
+    assert _verdicts(per_rank[0]) == [(2, "grad_local", ()), (6, "grad_local", (1,))]
+    assert per_rank[0]["incidents"][0]["count"] == 4
+    assert all(r["raised_at"] == 6 for r in per_rank)
 
 
 def test_grad_scaler_replay_finds_a_compute_fault_and_passes_when_healthy(three_ranks: dict[str, Any]) -> None:

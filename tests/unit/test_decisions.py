@@ -84,6 +84,17 @@ def test_grad_decide_scaler_overflow_on_one_rank_is_numerics() -> None:
     assert f is not None and f.suspect_ranks == () and f.evidence["verdict"] == "numerics"
 
 
+def test_grad_decide_scaler_names_a_minority_that_stays_nonfinite() -> None:
+    """With a GradScaler, the same rank non-finite alone at SCALER_PATIENCE steps in a row is not an overflow."""
+    rows = [_st(0), _st(1, True, True), _st(2, reduced_bad=True)]
+    assert grad.nonfinite_minority(rows) == (1,)
+    early = grad.decide(rows, overflow_expected=True, repeats=grad.SCALER_PATIENCE - 2)
+    assert early is not None and early.suspect_ranks == ()
+    late = grad.decide(rows, overflow_expected=True, repeats=grad.SCALER_PATIENCE - 1)
+    assert late is not None and late.suspect_ranks == (1,) and late.evidence["verdict"] == "persistent_nonfinite"
+    assert grad.nonfinite_minority([_st(r, True, True) for r in range(3)]) == ()
+
+
 def test_grad_decide_single_process_names_itself() -> None:
     """One process cannot tell numerics from hardware: it records a grad_local incident naming itself."""
     f = grad.decide([grad.GradStatus(0, True, True, False, False)])
