@@ -293,7 +293,10 @@ class SDCMonitor:
     def close(self) -> None:
         """Remove the hooks, flush a pending page (bounded), mark telemetry closed. A second call does nothing.
 
-        The comm hook stays registered (DDP cannot remove it) but only forwards to the wrapped all-reduce."""
+        Collective when a verdict is still in flight (CUDA reads healthy verdicts one step later): it is decided
+        first, so with ``on_suspect="raise"`` the last step's incident can raise ``SDCDetected`` from here (the
+        monitor is closed either way). The comm hook stays registered (DDP cannot remove it) but only forwards to
+        the wrapped all-reduce."""
         if self._closed:
             return
         try:
