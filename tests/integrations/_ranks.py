@@ -36,3 +36,15 @@ def summary(incidents: list[sdc.Incident], observer: ResultCounter, raised: sdc.
             "raised": (raised.incident.step, raised.incident.check, list(raised.incident.suspect_ranks))
             if raised is not None else None,
             **extra}
+
+
+def assert_healthy_and_replayed(results: list[dict[str, Any]], steps: int = 4, audits: int = 2) -> None:
+    """Every rank: no incident, nothing raised, ``steps`` optimizer steps, ``audits`` replay passes, weights and
+    grad_local passing every step, and no failed, errored or skipped check."""
+    for rank, r in enumerate(results):
+        assert r["raised"] is None and r["incidents"] == [], f"rank {rank}: {r}"
+        assert r["global_step"] == steps
+        assert r["results"].get(("replay", "pass")) == audits, f"rank {rank}: {r['results']}"
+        assert r["results"].get(("weights", "pass")) == steps
+        assert r["results"].get(("grad_local", "pass")) == steps
+        assert not any(res in ("fail", "error", "skipped") for _, res in r["results"])

@@ -13,7 +13,7 @@ if not os.environ.get("CI"):
     pytest.importorskip("lightning")
 
 from . import _lightning_ranks
-from ._ranks import launcher_env
+from ._ranks import assert_healthy_and_replayed, launcher_env
 
 WORLD = 3
 QUIET = {"metrics_port": None, "nvml": False}
@@ -45,14 +45,7 @@ def test_weight_bit_flip_stops_fit_on_every_rank(fits: list[list[dict]]) -> None
 def test_healthy_accumulated_fit_replays_without_incident(fits: list[list[dict]]) -> None:
     """With accumulate_grad_batches=2 and replay_every=2, four healthy steps raise nothing, and steps 0 and 2 are
     replayed on every rank (two replay passes, weights pass every step)."""
-    for rank, per_run in enumerate(fits):
-        r = per_run[1]
-        assert r["raised"] is None and r["incidents"] == [], f"rank {rank}: {r}"
-        assert r["global_step"] == 4
-        assert r["results"].get(("replay", "pass")) == 2, f"rank {rank}: {r['results']}"
-        assert r["results"].get(("weights", "pass")) == 4
-        assert r["results"].get(("grad_local", "pass")) == 4
-        assert not any(res in ("fail", "error", "skipped") for _, res in r["results"])
+    assert_healthy_and_replayed([per_run[1] for per_run in fits])
 
 
 def test_bad_arguments_are_named() -> None:

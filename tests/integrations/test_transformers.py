@@ -14,7 +14,7 @@ if not os.environ.get("CI"):
     pytest.importorskip("transformers")
 
 from . import _transformers_ranks
-from ._ranks import launcher_env
+from ._ranks import assert_healthy_and_replayed, launcher_env
 
 WORLD = 3
 QUIET = {"metrics_port": None, "nvml": False}
@@ -48,14 +48,7 @@ def test_weight_bit_flip_stops_training_on_every_rank(runs: list[list[dict]]) ->
 def test_healthy_accumulated_training_replays_without_incident(runs: list[list[dict]], run: int) -> None:
     """With gradient accumulation and replay_every=2, four healthy steps raise nothing, and steps 0 and 2 are
     replayed bit for bit on every rank (two replay passes; weights pass every step)."""
-    for rank, per_run in enumerate(runs):
-        r = per_run[run]
-        assert r["raised"] is None and r["incidents"] == [], f"rank {rank}: {r}"
-        assert r["global_step"] == 4
-        assert r["results"].get(("replay", "pass")) == 2, f"rank {rank}: {r['results']}"
-        assert r["results"].get(("weights", "pass")) == 4
-        assert r["results"].get(("grad_local", "pass")) == 4
-        assert not any(res in ("fail", "error", "skipped") for _, res in r["results"])
+    assert_healthy_and_replayed([per_run[run] for per_run in runs])
 
 
 def test_bad_arguments_are_named() -> None:
