@@ -199,7 +199,8 @@ class LocalStack:
                                      f"--web.listen-address=127.0.0.1:{am_port}", "--cluster.listen-address=",
                                      "--log.level=warn"])
 
-        (base / RULES_FILE).write_text(rules_yaml())
+        # Rollups at the stack's own (short) evaluation interval, so that a run of seconds already feeds them.
+        (base / RULES_FILE).write_text(rules_yaml(rollup_interval=None))
         config = prometheus_config(self.targets, [str(base / RULES_FILE)], [f"127.0.0.1:{am_port}"],
                                    scrape_interval=self.scrape_interval,
                                    evaluation_interval=self.evaluation_interval)
