@@ -15,10 +15,13 @@ import torch.distributed as dist
 __all__ = ["collective_device", "agree", "sum_counts", "gather_rows", "gather_objects", "group_ranks", "Agreement"]
 
 
-def collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    """CUDA for NCCL groups (the current device), CPU for gloo and others."""
+def collective_device(group: dist.ProcessGroup | None, device: torch.device | None = None) -> torch.device:
+    """CUDA for NCCL groups (``device``, the model's GPU, when it is one; else the current device), CPU for gloo
+    and others. The model's device matters: a rank that never called ``torch.cuda.set_device`` has GPU 0 current."""
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend and torch.cuda.is_available():
+        if device is not None and device.type == "cuda":
+            return device
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -45,7 +48,7 @@ class Agreement:
             mask = torch.cat([absent, absent]).to(both.device)
             both = torch.where(mask, torch.full_like(both, torch.iinfo(torch.int64).min), both)
         if distributed:
-            both = both.to(collective_device(group))
+            both = both.to(collective_device(group, vec.device))
             dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
         self._event: torch.cuda.Event | None = None
         if both.is_cuda or self._local.is_cuda:
@@ -54,7 +57,8 @@ class Agreement:
             local_host = torch.empty(self._local.shape, dtype=torch.float64, pin_memory=True)
             local_host.copy_(self._local, non_blocking=True)
             self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._event.record()
+            # On the stream of the copies (the agreement's device, which is also where this rank's values live).
+            self._event.record(torch.cuda.current_stream(both.device if both.is_cuda else self._local.device))
             both, self._local = host, local_host
         self._both = both
         self._result: tuple[list[int], list[int]] | None = None
@@ -84,20 +88,23 @@ class Agreement:
 
 def agree(vec: torch.Tensor, group: dist.ProcessGroup | None, distributed: bool = True
           ) -> tuple[list[int], list[int]]:
-    """(MAX, MIN) of ``vec`` over the group, read now."""
+    """(MAX, MIN) of ``vec`` over the group, read now (on ``vec``'s device when the backend can use it)."""
     return Agreement(vec, group, distributed).result()
 
 
-def sum_counts(counts: Sequence[int], group: dist.ProcessGroup | None) -> list[int]:
+def sum_counts(counts: Sequence[int], group: dist.ProcessGroup | None, device: torch.device | None = None
+               ) -> list[int]:
     """Element-wise SUM of a fixed-size count vector over the group (a histogram, a tally)."""
-    t = torch.tensor(list(counts), dtype=torch.int64, device=collective_device(group))
+    t = torch.tensor(list(counts), dtype=torch.int64, device=collective_device(group, device))
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t.tolist()  # type: ignore[no-any-return]
 
 
-def gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None) -> list[list[int]]:
-    """All-gather one 1-D int64 row per rank; every rank gets all rows as Python ints (one host sync)."""
-    device = collective_device(group)
+def gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device | None = None
+                ) -> list[list[int]]:
+    """All-gather one 1-D int64 row per rank; every rank gets all rows as Python ints (one host sync). ``device``:
+    the model's device (the row's own device when it is on a GPU)."""
+    device = collective_device(group, device if device is not None else row.device)
     row = row.to(device=device, dtype=torch.int64).contiguous()
     out = torch.empty((dist.get_world_size(group), row.numel()), dtype=torch.int64, device=device)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

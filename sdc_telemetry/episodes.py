@@ -8,7 +8,7 @@ reach a verdict (error, skipped) leave it as it is. Pure bookkeeping, identical 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from .checks import CHECKS, Finding
 from .identity import RankIdentity
@@ -40,17 +40,21 @@ class Episodes:
         entry = self._open.get(check)
         return entry[1] if entry else None
 
-    def observe(self, step: int, findings: Sequence[Finding], results: dict[str, str],
+    def observe(self, step: int, findings: Sequence[Finding], passed: Collection[str],
                 identify: Callable[[tuple[int, ...]], tuple[RankIdentity, ...]]
                 ) -> tuple[list[Incident], list[Incident]]:
-        """Fold one hook point's findings in. Returns (incidents opened, episodes that reached a milestone)."""
+        """Fold one hook point's findings in. Returns (incidents opened, episodes that reached a milestone).
+
+        ``passed``: the checks that passed on every rank (decided from data every rank shares). A rank-local pass
+        must not close an episode: the ranks' episodes, and the collectives that follow a new incident, would
+        diverge."""
         opened: list[Incident] = []
         repeated: list[Incident] = []
         by_check = {f.check: f for f in findings}
         for check in CHECKS:
             finding = by_check.get(check)
             if finding is None:
-                if results.get(check) == "pass":
+                if check in passed:
                     self._open.pop(check, None)
                 continue
             key = (finding.suspect_ranks, finding.evidence.get("verdict") == "numerics")

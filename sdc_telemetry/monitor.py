@@ -183,6 +183,9 @@ class SDCMonitor:
         # Sharded models compare local shards, among the replicas of the same shard (HSDP); a 1-D FSDP mesh holds
         # no replica of a shard, so there the weight check has nothing to compare.
         layout = self._layout
+        # FSDP2: every position's shard index (set-up, once): shards are compared among their replicas only.
+        self._shard_of = [r[0] for r in gather_rows(torch.tensor([layout.shard_index], dtype=torch.int64),
+                                                    self._group, self.device)] if layout is not None else None
         self._weights = None
         if replicas and (layout is None or layout.hsdp):
             self._weights = WeightsCheck(list(module.named_parameters()), self._group, self._ranks,
@@ -255,6 +258,7 @@ class SDCMonitor:
         finding, result = self._weights_verdict(m, high, low)
         self._conclude(m, [finding] if finding else [], {"weights": result},
                        {"weights": time.perf_counter() - start}, counts_step=False,
+                       passed=frozenset({"weights"}) if result == "pass" else frozenset(),
                        weights_agree=None if result in ("error", "skipped")
                        else not (finding and self.rank in finding.suspect_ranks))
         return self._episodes.current("weights") if finding else None
@@ -374,10 +378,19 @@ class SDCMonitor:
         deferred = self._defer_verdicts and not audit
         measured = self._measure(step, weights=weights_due, audit=audit, snapshot=deferred)
         previous, self._pending = self._pending, (measured if deferred else None)
+        raised: SDCDetected | None = None
         if previous is not None:
-            self._decide(previous)
+            try:
+                self._decide(previous)
+            except SDCDetected as e:  # this step's own verdict must still be reached (every rank does the same)
+                raised = e
         if not deferred:
-            self._decide(measured)
+            try:
+                self._decide(measured)
+            except SDCDetected as e:
+                raised = raised or e
+        if raised is not None:
+            raise raised
 
     def _settle(self) -> None:
         """Decide a deferred step now (before an on-demand check or closing)."""
@@ -424,7 +437,25 @@ class SDCMonitor:
                 findings.append(finding)
         durations = {c: durations.get(c, 0.0) for c in results}
         errors = ("replay",) if results.get("replay") == "error" else ()
-        self._conclude(m, findings, results, durations, replay=replay, weights_agree=weights_agree, errors=errors)
+        self._conclude(m, findings, results, durations, passed=self._agreed_passes(high, low, findings, results),
+                       replay=replay, weights_agree=weights_agree, errors=errors)
+
+    def _agreed_passes(self, high: list[int], low: list[int], findings: list[Finding], results: dict[str, str]
+                       ) -> frozenset[str]:
+        """The checks that passed on every rank, from data every rank shares (results may differ by rank)."""
+        found = {f.check for f in findings}
+        clean = not high[ERROR]
+        passed = set()
+        if self.config.grad_checks and clean and not found & {"grad_local", "grad_reduced"}:
+            if low[LOCAL_MEASURED]:
+                passed.add("grad_local")
+            if self._distributed and low[REDUCED_MEASURED]:
+                passed.add("grad_reduced")
+        if results.get("weights") == "pass":  # decided from the agreement: the same on every rank
+            passed.add("weights")
+        if results.get("replay") == "pass" and self._replay is not None and not self._replay.errors:
+            passed.add("replay")  # the replay's error list is gathered: the same on every rank
+        return frozenset(passed)
 
     # -- measuring -----------------------------------------------------------------------------------------------
 
@@ -515,7 +546,7 @@ class SDCMonitor:
         else:  # rare path: who?
             local, reduced = m.agreement.local()
             mine = torch.tensor([m.mine[LOCAL_MEASURED], bits(local), bits(reduced)], dtype=torch.int64)
-            gathered = gather_rows(mine, self._group) if self._distributed else [mine.tolist()]
+            gathered = gather_rows(mine, self._group, self.device) if self._distributed else [mine.tolist()]
             rows = []
             for r, g in zip(self._ranks, gathered, strict=True):
                 loc, red = unbits(g[1]), unbits(g[2])
@@ -526,7 +557,7 @@ class SDCMonitor:
         repeats = self._minority[1] if minority and minority == self._minority[0] else 0
         self._minority = (minority, repeats + 1 if minority else 0)
         finding = self._guard("grad", grad_check.decide, rows, overflow_expected=bool(high[SCALER]),
-                              repeats=repeats)
+                              repeats=repeats, shard_of=self._shard_of)
         if finding is not None and finding.suspect_ranks and finding.check == "grad_local":
             finding = self._with_nonfinite_names(m, finding)
         return finding  # type: ignore[no-any-return]
@@ -601,11 +632,12 @@ class SDCMonitor:
     # -- responding ----------------------------------------------------------------------------------------------
 
     def _conclude(self, m: _Measured, findings: list[Finding], results: dict[str, str], durations: dict[str, float],
-                  *, counts_step: bool = True, replay: ReplayDeltas | None = None, weights_agree: bool | None = None,
+                  *, passed: frozenset[str] = frozenset(), counts_step: bool = True,
+                  replay: ReplayDeltas | None = None, weights_agree: bool | None = None,
                   errors: tuple[str, ...] = ()) -> list[Incident]:
         """Episodes, the incident log, the page, telemetry, and ``SDCDetected`` on every rank when configured."""
         step = m.step
-        opened, touched = self._episodes.observe(step, findings, results, self._suspects)
+        opened, touched = self._episodes.observe(step, findings, passed, self._suspects)
         if opened and any(i.suspect_ranks for i in opened):
             self._attach_gpu_counters(opened)
         for incident in opened:
@@ -679,7 +711,7 @@ class SDCMonitor:
             if log_error:
                 raise ValueError(log_error)
             return None
-        high, low = agree(vec, self._group)
+        high, low = agree(vec.to(self.device), self._group)
         if high[1]:
             msg = log_error or "the first rank of the group could not open SDCConfig.incident_dir"
             raise ValueError(f"{msg} (every rank stops here)")
@@ -688,7 +720,7 @@ class SDCMonitor:
                              "with the same settings (checks run on the same steps everywhere)")
         if high[2] == low[2]:
             return None
-        gathered = gather_rows(torch.tensor([signature], dtype=torch.int64), self._group)
+        gathered = gather_rows(torch.tensor([signature], dtype=torch.int64), self._group, self.device)
         classes = [r[0] for r in gathered]
         if self._writer:
             log.warning("sdc_telemetry: the ranks run on %d different hardware/software stacks: exact comparison only "
@@ -702,10 +734,8 @@ class SDCMonitor:
 
     def _shard_classes(self, classes: list[int] | None) -> list[tuple[int, int]]:
         """Per position: (numerics class, shard index): weights are compared among replicas of the same shard."""
-        assert self._layout is not None
-        shards = [r[0] for r in gather_rows(torch.tensor([self._layout.shard_index], dtype=torch.int64),
-                                            self._group)]
-        return [(classes[i] if classes is not None else 0, shard) for i, shard in enumerate(shards)]
+        assert self._shard_of is not None
+        return [(classes[i] if classes is not None else 0, shard) for i, shard in enumerate(self._shard_of)]
 
     def _open_incident_log(self) -> tuple[IncidentLog | None, str | None]:
         if not (self._writer and self.config.incident_dir):
@@ -730,7 +760,9 @@ class SDCMonitor:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         inner = hook if hook is not None else default_hooks.allreduce_hook
-        inner_state = state if hook is not None else self._group
+        assert isinstance(self.model, DistributedDataParallel)
+        # DDP's own group, whatever replica_group is: the monitor must not change how gradients are averaged.
+        inner_state = state if hook is not None else self.model.process_group
         self._hook_state = grad_check.CommHookState(self._record, inner, inner_state)
         assert isinstance(self.model, DistributedDataParallel)
         try:

@@ -17,7 +17,8 @@ reshard state, optimizer and RNG are unchanged. Memory: one unsharded gradient a
 unsharded gradients of the micro-batches of one step (as FSDP itself holds them under gradient accumulation).
 
 Parts of FSDP2 read here that are not public API (torch 2.13): ``FSDPModule._get_fsdp_state()._fsdp_param_groups``,
-``FSDPParamGroup.fsdp_params / _reduce_scatter_comm / _reduce_dtype / reduce_grads / all_reduce_grads``,
+``FSDPParamGroup.fsdp_params / _reduce_scatter_comm / _reduce_dtype / reduce_grads / all_reduce_grads /
+mesh_info / gradient_divide_factor / force_sum_reduction_for_comms``, ``_get_gradient_divide_factors``,
 ``FSDPParam.sharded_param / unsharded_param / padded_sharded_param_size / _orig_size`` and the ``ReduceScatter``
 protocol in ``torch.distributed.fsdp._fully_shard._fsdp_api``.
 """
@@ -204,9 +205,31 @@ def recompute_grads(layout: FSDPLayout, params: Sequence[torch.nn.Parameter], ru
         for module, _ in layout.groups:
             module.set_requires_gradient_sync(False, recurse=False)
         run_backward()
+        # FSDP divides the reduce-scatter input before the collective when the reduce dtype risks overflow
+        # (fp16): the tap saw the divided gradients, so the recomputation divides the same way.
+        for _, pg in layout.groups:
+            factor = _predivide_factor(pg)
+            if factor is not None and factor != 1:
+                for fp in pg.fsdp_params:
+                    i = index.get(id(fp.sharded_param))
+                    if i is not None and acc[i] is not None:
+                        acc[i].div_(factor)  # type: ignore[union-attr]
     finally:
         for (_, pg), (reduce, all_reduce) in zip(layout.groups, saved, strict=True):
             pg.reduce_grads, pg.all_reduce_grads = reduce, all_reduce
         for h in handles:
             h.remove()
     return acc
+
+
+def _predivide_factor(pg: Any) -> float | None:
+    """The factor FSDP divides a group's reduce-scatter input by before the collective (None: it does not)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo
+
+    reduce_scatter = pg._reduce_scatter_process_group if isinstance(pg.mesh_info, FSDPMeshInfo) else None
+    all_reduce = pg._all_reduce_process_group if isinstance(pg.mesh_info, DDPMeshInfo) else None
+    dtype = pg._reduce_dtype or pg.fsdp_params[0].unsharded_param.dtype
+    factor, _, _, _ = _get_gradient_divide_factors(reduce_scatter, all_reduce, dtype, pg.device.type,
+                                                   pg.gradient_divide_factor, pg.force_sum_reduction_for_comms)
+    return factor

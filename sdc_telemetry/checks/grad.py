@@ -9,9 +9,9 @@ Deciding (``decide``, pure): non-finite gradients on every rank at once are a ``
 bad batch, divergence: the model's problem, not a node's). Only a subset of ranks disagreeing with the rest makes a
 hardware suspect. A single process cannot tell the two apart and names itself.
 
-Non-finite test: a gradient holds a NaN or an Inf exactly when its L2 norm is not finite, except for a finite
-gradient whose squared norm overflows float32 (norm > 1.8e19), which is reported as non-finite too: such a gradient
-would itself wreck the step.
+Non-finite test: a gradient holds a NaN or an Inf exactly when its L2 norm is not finite. Norms are accumulated in
+float32 whatever the gradient dtype (a finite fp16 gradient's norm may exceed fp16's range); a finite gradient whose
+squared norm overflows float32 (norm > 1.8e19) is reported as non-finite too: such a gradient would wreck the step.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class GradRecord:
 
     def _measure(self, index: list[int], grads: list[torch.Tensor], fp_grads: list[torch.Tensor] | None) -> None:
         idx = _index_tensor(tuple(index), self._device)
-        self.norms.index_copy_(0, idx, torch.stack(torch._foreach_norm(grads)).float().to(self._device))
+        self.norms.index_copy_(0, idx, torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).to(self._device))
         if self.detail:
             fps = fingerprint(fp_grads if fp_grads is not None else grads).to(self._device)
             if self.fp is None:
@@ -173,7 +173,7 @@ def reduced_norms(params: Sequence[torch.nn.Parameter], device: torch.device, lo
     if with_grad:
         idx = _index_tensor(tuple(i for i, _ in with_grad), device)
         grads = [g for _, g in with_grad]
-        out.index_copy_(0, idx, torch.stack(torch._foreach_norm(grads)).float().to(device))
+        out.index_copy_(0, idx, torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).to(device))
     return out
 
 
@@ -202,7 +202,8 @@ def nonfinite_minority(rows: Sequence[GradStatus]) -> tuple[int, ...]:
     return bad if len(bad) < len(measured) else ()
 
 
-def decide(rows: Sequence[GradStatus], *, overflow_expected: bool = False, repeats: int = 0) -> Finding | None:
+def decide(rows: Sequence[GradStatus], *, overflow_expected: bool = False, repeats: int = 0,
+           shard_of: Sequence[int] | None = None) -> Finding | None:
     """Same verdict on every rank from the ranks' gradient status.
 
     - Local non-finite on every measured rank (or, with a GradScaler, on any rank: an fp16 overflow is routine and
@@ -214,6 +215,9 @@ def decide(rows: Sequence[GradStatus], *, overflow_expected: bool = False, repea
     - Every local gradient finite, reduced non-finite on some ranks only: ``grad_reduced``, verdict
       ``communication``, naming the receivers. On every rank: a ``numerics`` event (overflow in the reduction).
     - One rank in all (a single process): a non-finite local gradient names it (numerics and hardware look alike).
+    - ``shard_of`` (FSDP2: each position's shard index): reduced gradients are shards, so they are compared only
+      among the replicas of the same shard; a shard non-finite on all its replicas (and any shard of a 1-D mesh) is
+      numerics (an overflow in the reduction), not a receiver's fault.
     """
     measured = [s for s in rows if s.local_measured]
     local_bad = [s for s in measured if s.local_nonfinite]
@@ -242,7 +246,19 @@ def decide(rows: Sequence[GradStatus], *, overflow_expected: bool = False, repea
     if not reduced_bad:
         return None
     all_measured = len(measured) == len(rows)
-    if len(reduced_bad) == len(reduced) and len(rows) > 1:
+    if shard_of is not None:
+        replicas: dict[int, list[GradStatus]] = {}
+        for shard, st in zip(shard_of, rows, strict=True):
+            if st.reduced_measured:
+                replicas.setdefault(shard, []).append(st)
+        reduced_bad = [st for group in replicas.values() if not all(x.reduced_nonfinite for x in group)
+                       for st in group if st.reduced_nonfinite]
+        if not reduced_bad:
+            return Finding("grad_reduced", (), {
+                "verdict": "numerics", "ranks": len(rows),
+                "reason": "non-finite reduced gradient shards on every replica of their shard while local gradients "
+                          "were finite: overflow in the reduction"})
+    elif len(reduced_bad) == len(reduced) and len(rows) > 1:
         return Finding("grad_reduced", (), {
             "verdict": "numerics", "nonfinite_ranks": len(reduced_bad), "ranks": len(rows),
             "reason": "non-finite reduced gradients on every rank while local ones were finite: overflow in the "

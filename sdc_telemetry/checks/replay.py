@@ -90,7 +90,7 @@ class ReplayCheck:
         self._ranks = list(ranks)
         self._pos = self._ranks.index(dist.get_rank())
         self._device = device
-        self._wire = collective_device(group)
+        self._wire = collective_device(group, device)
         self.mode = mode
         self._auto = tolerance == "auto"
         self.tolerance = _AUTO_FLOOR if self._auto else float(tolerance)
@@ -223,10 +223,10 @@ class ReplayCheck:
         measured = Measurement(self._ranks[origin], unbits(int(row[1])), unbits(int(row[2])), bool(row[0])) \
             if not row[3] else None
         # Healthy audits end here: one fixed-size agreement says nobody mismatched or failed.
-        high, _ = agree(row[[0, 3]], self._group)
+        high, _ = agree(row[[0, 3]].to(self._wire), self._group)
         if not any(high):
             return [], measured
-        rows = gather_rows(row, self._group)
+        rows = gather_rows(row, self._group, self._wire)
         self._collect_errors(rows)
         edges = []
         self._last_deltas = {}
@@ -243,7 +243,7 @@ class ReplayCheck:
         """FSDP2: every rank recomputes through the sharded model at once, so its all-gathers must line up: agree
         that every rank holds a record with the same number of micro-batches before any rank starts."""
         count = len(record["micro"]) if record is not None else 0
-        high, low = agree(torch.tensor([count], dtype=torch.int64), self._group)
+        high, low = agree(torch.tensor([count], dtype=torch.int64, device=self._wire), self._group)
         if low[0] == high[0] and low[0] > 0:
             return True
         self.error_text = ("FSDP replay needs a record with the same number of micro-batches on every rank (got "
@@ -252,11 +252,11 @@ class ReplayCheck:
 
     def _self_round(self, mine: dict[str, Any]) -> dict[int, bool]:
         if self._layout is not None and not self._recomputable(mine):
-            rows = gather_rows(torch.tensor([0, 0, 0, 1], dtype=torch.int64), self._group)
+            rows = gather_rows(torch.tensor([0, 0, 0, 1], dtype=torch.int64), self._group, self._wire)
             self._collect_errors(rows)
             return {}
         row = self._compare(mine, mine["fp"])
-        rows = gather_rows(row, self._group)
+        rows = gather_rows(row, self._group, self._wire)
         self._collect_errors(rows)
         return {p: r[0] == 0 for p, r in enumerate(rows)}
 
@@ -267,7 +267,7 @@ class ReplayCheck:
             return
         row = self._compare(mine, mine["fp"])
         delta = max(unbits(int(row[1])), unbits(int(row[2]))) if not row[3] else math.nan
-        floor = noise_median(sum_counts(_histogram(delta), self._group))
+        floor = noise_median(sum_counts(_histogram(delta), self._group, self._wire))
         if floor is not None:
             # The median rank's rerun noise, over a window of recent calibrations: one faulty rank (or one bad
             # calibration) cannot raise the threshold for good and blind the check.
@@ -370,7 +370,7 @@ class ReplayCheck:
         norms = torch.zeros(len(self._params), dtype=torch.float32)
         for i, g in enumerate(total):
             if g is not None:
-                norms[i] = torch.linalg.vector_norm(g).float().cpu()
+                norms[i] = torch.linalg.vector_norm(g, dtype=torch.float32).cpu()
         return _Result(losses, int(digest(fps).item()), norms)
 
     # -- shipping ------------------------------------------------------------------------------------------------

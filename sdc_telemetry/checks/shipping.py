@@ -112,7 +112,7 @@ def unpack(data: torch.Tensor, device: torch.device) -> dict[str, Any]:
     raw = data.cpu().numpy().tobytes()
 
     def place(storage: Any, location: str) -> Any:
-        return storage if location == "cpu" else storage.to(device)
+        return storage if location == "cpu" else storage.to(device=device)
 
     plain = torch.load(io.BytesIO(raw), map_location=place, weights_only=True)
     micro = [MicroBatch(batch=_from_plain(m["batch"]), cpu_rng=m["cpu_rng"], dev_rng=m["dev_rng"],

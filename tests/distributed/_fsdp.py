@@ -33,13 +33,15 @@ def loss_fn(module: nn.Module, batch: Any) -> torch.Tensor:
     return nn.functional.cross_entropy(module(x).float(), y)
 
 
-def _build(shape: tuple[int, ...], mixed: bool = False) -> nn.Module:
+def _build(shape: tuple[int, ...], mixed: bool | str = False) -> nn.Module:
     torch.manual_seed(0)
     model = MLP()
     names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     kw: dict[str, Any] = {"mesh": mesh}
-    if mixed:  # bf16 compute, fp32 gradient reduction
+    if mixed == "fp16":  # fp16 compute and reduction: FSDP divides the gradients before the reduce-scatter
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
+    elif mixed:  # bf16 compute, fp32 gradient reduction
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in (model.l1, model.l2, model.l3):
         fully_shard(layer, **kw)

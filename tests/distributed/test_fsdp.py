@@ -72,9 +72,10 @@ def test_fsdp_1d_compute_fault_found_by_replay() -> None:
                  {"config": {"replay_every": 2}, "steps": 6},
                  {"config": {"replay_every": 2}, "steps": 6, "mixed": True},
                  {"config": {"replay_every": 2, "mode": "tolerance"}, "steps": 6, "mixed": True,
-                  "perturb": {"rank": 1, "step": 1, "module": "l1", "relative": 0.05}}]
-    faulty, healthy, mixed, mixed_faulty = zip(*spawn_ranks(run_fsdp, 4, ((4,), scenarios), timeout=300),
-                                               strict=True)
+                  "perturb": {"rank": 1, "step": 1, "module": "l1", "relative": 0.05}},
+                 {"config": {"replay_every": 2}, "steps": 6, "mixed": "fp16"}]
+    faulty, healthy, mixed, mixed_faulty, fp16 = zip(*spawn_ranks(run_fsdp, 4, ((4,), scenarios), timeout=300),
+                                                     strict=True)
     assert _same(faulty)[0][:3] == (2, "replay", [2])
     for r in healthy:
         assert not r["incidents"] and r["counts"]["replay"] == {"pass": 3} and "weights" not in r["counts"]
@@ -83,3 +84,6 @@ def test_fsdp_1d_compute_fault_found_by_replay() -> None:
     for r in mixed:
         assert not r["incidents"] and r["counts"]["replay"] == {"pass": 3} and not r["errors"]
     assert _same(mixed_faulty)[0][:3] == (2, "replay", [1])
+    # fp16 reduction: FSDP divides the gradients before the reduce-scatter; the replay divides the same way.
+    for r in fp16:
+        assert not r["incidents"] and r["counts"]["replay"] == {"pass": 3} and not r["errors"], r["counts"]

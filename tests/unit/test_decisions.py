@@ -9,6 +9,7 @@ from collections import OrderedDict, namedtuple
 import pytest
 import torch
 
+from sdc_telemetry import RankIdentity as sdc_identity
 from sdc_telemetry import check_shippable
 from sdc_telemetry.checks import grad, weights
 from sdc_telemetry.checks.pairing import Outcome, attribute, plan_pairs
@@ -190,3 +191,46 @@ def test_noise_median_from_summed_histograms() -> None:
     median = noise_median(counts)
     assert median is not None and 1e-7 <= median <= 1e-6
     assert noise_median([0] * 42) is None
+
+
+def test_large_finite_fp16_gradients_are_not_called_non_finite() -> None:
+    """Norms are accumulated in float32: a finite fp16 gradient whose norm exceeds 65504 stays finite."""
+    params = [torch.nn.Parameter(torch.zeros(100, dtype=torch.float16))]
+    record = grad.GradRecord(params, torch.device("cpu"))
+    record.store([0], [torch.full((100,), 60000.0, dtype=torch.float16)])
+    assert math.isfinite(float(record.total_norm())) and float(record.total_norm()) > 65504
+    params[0].grad = torch.full((100,), 60000.0, dtype=torch.float16)
+    assert math.isfinite(float(grad.reduced_norms(params, torch.device("cpu"))[0]))
+
+
+def test_an_episode_closes_only_on_a_pass_every_rank_shares() -> None:
+    """A rank-local pass (other ranks errored) keeps the episode open, so every rank's episodes stay in step."""
+    from sdc_telemetry.checks import Finding
+    from sdc_telemetry.episodes import Episodes
+
+    def ident(ranks: tuple[int, ...]) -> tuple[sdc_identity, ...]:
+        return tuple(sdc_identity(r, r, "h", f"cpu:h:{r}") for r in ranks)
+
+    incidents: list = []
+    episodes = Episodes(incidents)
+    finding = Finding("replay", (2,), {"verdict": "persistent"})
+    opened, _ = episodes.observe(4, [finding], frozenset(), ident)
+    assert len(opened) == 1
+    episodes.observe(5, [], frozenset(), ident)  # passed here, errored elsewhere: not closed
+    opened, _ = episodes.observe(6, [finding], frozenset(), ident)
+    assert opened == [] and incidents[0].count == 2 and incidents[0].last_step == 6
+    episodes.observe(7, [], frozenset({"replay"}), ident)  # passed on every rank: closed
+    opened, _ = episodes.observe(8, [finding], frozenset(), ident)
+    assert len(opened) == 1 and len(incidents) == 2
+
+
+def test_sharded_reduced_gradients_are_compared_among_replicas_of_a_shard() -> None:
+    """FSDP2: a reduced shard non-finite on every replica of that shard is an overflow (numerics); one replica of a
+    shard non-finite while the others are finite is the communication suspect; a 1-D mesh names nobody."""
+    rows = [_st(0, reduced_bad=True), _st(1), _st(2, reduced_bad=True), _st(3)]
+    f = grad.decide(rows, shard_of=[0, 1, 0, 1])  # (2 replicas, 2 shards): shard 0 non-finite everywhere
+    assert f is not None and f.suspect_ranks == () and f.evidence["verdict"] == "numerics"
+    f = grad.decide(rows, shard_of=[0, 1, 1, 0])  # ranks 0 and 2 each disagree with their shard's replica
+    assert f is not None and f.suspect_ranks == (0, 2) and f.evidence["verdict"] == "communication"
+    f = grad.decide(rows, shard_of=[0, 1, 2, 3])  # 1-D mesh: no replica to compare
+    assert f is not None and f.suspect_ranks == ()
