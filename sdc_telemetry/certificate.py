@@ -31,6 +31,7 @@ import torch
 
 # The module, not the package's re-exported function of the same name.
 _fingerprint_module = importlib.import_module(".fingerprint", __package__)
+format_fingerprint = _fingerprint_module.format_fingerprint
 
 __all__ = ["WeightCertificate", "fingerprint_algorithm", "format_fingerprint"]
 
@@ -42,16 +43,6 @@ _FIELDS = ("step", "fingerprints", "shapes", "dtypes", "algorithm", "world_size"
 def fingerprint_algorithm() -> str:
     """The id of the fingerprint this installation computes (``FINGERPRINT_ALGORITHM`` of the fingerprint module)."""
     return str(_fingerprint_module.FINGERPRINT_ALGORITHM)
-
-
-def format_fingerprint(row: Iterable[int]) -> str:
-    """One fingerprint row as text: each int64 column as 16 lower-case hex digits of its value mod 2**64, joined
-    with ``-``.
-
-    >>> format_fingerprint([1, -1])
-    '0000000000000001-ffffffffffffffff'
-    """
-    return "-".join(f"{int(v) % (1 << 64):016x}" for v in row)
 
 
 def _fingerprints(tensors: list[torch.Tensor]) -> list[str]:

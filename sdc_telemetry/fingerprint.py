@@ -46,11 +46,11 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
-__all__ = ["digest", "fingerprint", "FINGERPRINT_ALGORITHM"]
+__all__ = ["digest", "fingerprint", "format_fingerprint", "FINGERPRINT_ALGORITHM"]
 
 # The id weight certificates record: a certificate is only verified by the algorithm that made it (the first,
 # position-blind word sum was "sdc-fp1").
@@ -218,3 +218,13 @@ def digest(rows: torch.Tensor) -> torch.Tensor:
     h = _weights(flat.numel() + 1, rows.device)
     # h[0] weights the table's size so that tables of different shapes do not collide on an empty sum.
     return (flat * h[1:]).sum() + h[0] * rows.numel() + rows.shape[1]
+
+
+def format_fingerprint(row: Iterable[int]) -> str:
+    """One fingerprint row as text: each int64 column as 16 lower-case hex digits of its value mod 2**64, joined
+    with ``-`` (how incidents and weight certificates show fingerprints).
+
+    >>> format_fingerprint([1, -1])
+    '0000000000000001-ffffffffffffffff'
+    """
+    return "-".join(f"{int(v) % (1 << 64):016x}" for v in row)

@@ -63,7 +63,6 @@ class _Measured:
     audit: bool
     table: torch.Tensor | None   # this rank's weight fingerprint table, for a vote on disagreement
     norms: torch.Tensor          # this rank's per-parameter local-gradient norms (evidence)
-    elapsed: float
     durations: dict[str, float] = field(default_factory=dict)  # measuring time per check on this rank
     grads: bool = True           # gradient results belong to this hook point
 
@@ -252,8 +251,7 @@ class SDCMonitor:
             return None
         self._settle()
         start = time.perf_counter()
-        m = self._measure(max(self._step, 0), weights=True)
-        m.grads = False
+        m = self._measure(max(self._step, 0), weights=True, grads=False)
         high, low = m.agreement.result()
         finding, result = self._weights_verdict(m, high, low)
         self._conclude(m, [finding] if finding else [], {"weights": result},
@@ -459,9 +457,11 @@ class SDCMonitor:
 
     # -- measuring -----------------------------------------------------------------------------------------------
 
-    def _measure(self, step: int, *, weights: bool, audit: bool = False, snapshot: bool = False) -> _Measured:
+    def _measure(self, step: int, *, weights: bool, audit: bool = False, snapshot: bool = False,
+                 grads: bool = True) -> _Measured:
         """This rank's measurements and the launched agreement (no host synchronisation). ``snapshot`` keeps copies
-        of what the next step overwrites, for a verdict read one step later."""
+        of what the next step overwrites, for a verdict read one step later; ``grads=False`` (an on-demand weight
+        check) measures the weights only."""
         start = time.perf_counter()
         host = [0] * FIELDS
         host[STEP] = step
@@ -470,12 +470,11 @@ class SDCMonitor:
         digest = torch.zeros(1, dtype=torch.int64, device=self.device)
         norms = torch.full((2,), math.nan, dtype=torch.float64, device=self.device)  # local, reduced
         record = self._record
-        reduced_norm: torch.Tensor | None = None
         durations: dict[str, float] = {}
         try:
-            if not self._distributed and self.config.grad_checks:
+            if grads and not self._distributed and self.config.grad_checks:
                 record.measure_local()
-            if self.config.grad_checks or audit:
+            if grads and (self.config.grad_checks or audit):
                 host[LOCAL_MEASURED] = int(record.measured)
                 host[REPEATED] = int(record.repeated)
                 if record.measured:
@@ -531,8 +530,8 @@ class SDCMonitor:
         durations = {"grad_local": record.elapsed + elapsed - durations.get("grad_reduced", 0.0) - weights_s,
                      "grad_reduced": durations.get("grad_reduced", 0.0), "weights": weights_s}
         return _Measured(step=step, mine=host, agreement=agreement, weights_due=weights, audit=audit, table=table,
-                         norms=record.norms.clone() if snapshot else record.norms, elapsed=elapsed,
-                         durations=durations)
+                         norms=record.norms.clone() if snapshot else record.norms, durations=durations,
+                         grads=grads)
 
     # -- deciding ------------------------------------------------------------------------------------------------
 

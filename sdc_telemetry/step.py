@@ -82,13 +82,16 @@ class StepContext:
 
     def backward(self, loss: torch.Tensor, *, scale: float = 1.0, scaler: Any = None) -> None:
         """``(loss * scale)`` (then ``scaler.scale(...)``) ``.backward()``, recording ``loss`` for the replay."""
-        self.record_loss(loss, scale=scale, scaler=scaler)
-        grad_scale = _grad_scale(scaler, loss)
+        grad_scale = self._record(loss, scale, scaler)
         scaled(loss, scale, grad_scale).backward()  # type: ignore[no-untyped-call]
 
     def record_loss(self, loss: torch.Tensor, *, scale: float = 1.0, scaler: Any = None) -> None:
         """Record a micro-batch's loss without running backward (the framework runs it): the backpropagated tensor
         must be ``loss * scale``, then scaled by ``scaler`` if one is given."""
+        self._record(loss, scale, scaler)
+
+    def _record(self, loss: torch.Tensor, scale: float, scaler: Any) -> torch.Tensor | None:
+        """Check and record a micro-batch's loss; returns the scaler's scale it is backpropagated with."""
         self._require_active("record_loss")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"step.backward() needs a scalar loss tensor, got {type(loss).__name__}"
@@ -97,7 +100,9 @@ class StepContext:
             raise ValueError(f"scale must be a positive number (1 / micro-batches), got {scale!r}")
         if scaler is not None and not callable(getattr(scaler, "scale", None)):
             raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
-        self._monitor._record_loss(loss, float(scale), _grad_scale(scaler, loss))
+        grad_scale = _grad_scale(scaler, loss)
+        self._monitor._record_loss(loss, float(scale), grad_scale)
+        return grad_scale
 
     def _require_active(self, what: str) -> None:
         if not self._active:

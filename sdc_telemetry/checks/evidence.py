@@ -6,7 +6,7 @@ import math
 import struct
 from typing import TypeVar
 
-__all__ = ["MAX_ITEMS", "json_float", "top", "bits", "unbits", "hex64"]
+__all__ = ["MAX_ITEMS", "json_float", "top", "bits", "unbits"]
 
 # Evidence stays small enough for one log line and one JSONL record at any world size: per-rank or per-parameter
 # detail is listed for at most this many entries, with the full count beside it.
@@ -31,7 +31,3 @@ def bits(x: float) -> int:
 
 def unbits(b: int) -> float:
     return float(struct.unpack("<d", struct.pack("<q", b))[0])
-
-
-def hex64(x: int) -> str:
-    return f"{x & (2**64 - 1):016x}"

@@ -67,20 +67,17 @@ class GradRecord:
         return self.buckets > 0 and not self.failed
 
     def measure(self, bucket: GradBucket) -> None:
-        if bucket.index() in self._seen:
-            # A second all-reduce of the same bucket in one step (accumulation without no_sync()): the bucket now
-            # holds an earlier reduced gradient plus a local one, which no replay can reproduce.
-            self.repeated = True
-        self._seen.add(bucket.index())
+        self.note_call(bucket.index())
         # Parameters frozen after DDP was built still sit in its buckets: they are not checked.
         pairs = [(self._index[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True)
                  if id(p) in self._index]
-        self.buckets += 1
         if pairs:
             self._store([i for i, _ in pairs], [g for _, g in pairs])
 
     def note_call(self, key: int) -> None:
-        """One reduction of bucket (or FSDP parameter group) ``key`` in this step: a second one is a repeat."""
+        """One reduction of bucket (or FSDP parameter group) ``key`` in this step. A second one is a repeat
+        (accumulation without ``no_sync()``): the bucket then holds an earlier reduced gradient plus a local one,
+        which no replay can reproduce."""
         if key in self._seen:
             self.repeated = True
         self._seen.add(key)

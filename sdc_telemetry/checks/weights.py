@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from .._collective import gather_rows
-from ..fingerprint import digest, fingerprint
+from ..fingerprint import digest, fingerprint, format_fingerprint
 from . import Finding
-from .evidence import MAX_ITEMS, hex64, top
+from .evidence import MAX_ITEMS, top
 from .vote import vote
 
 __all__ = ["WeightsCheck", "decide"]
@@ -41,11 +41,6 @@ class WeightsCheck:
         self.table = fingerprint([self._local(p) for p in self._params] if self._local else self._params)
         return digest(self.table)
 
-    def fingerprints(self) -> torch.Tensor:
-        """The (P, C) table of the last ``measure()``."""
-        assert self.table is not None
-        return self.table
-
     def gather(self, table: torch.Tensor) -> Finding | None:
         """Rare path (digests differ): gather every rank's ``table`` (of the step being decided) and vote, within
         numerics classes."""
@@ -58,9 +53,9 @@ class WeightsCheck:
         return finding
 
 
-def decide(tables: Sequence[Sequence[object]], ranks: Sequence[int], names: Sequence[str],
+def decide(tables: Sequence[Sequence[Sequence[int]]], ranks: Sequence[int], names: Sequence[str],
            classes: Sequence[Hashable] | None = None) -> Finding | None:
-    """Vote on per-rank parameter fingerprints (``tables[i][p]``: rank position i, parameter p).
+    """Vote on per-rank parameter fingerprints (``tables[i][p]``: the fingerprint row of rank position i's parameter p).
 
     ``classes`` (numerics signatures by position): replicas on different hardware or software may legitimately
     round differently, so only ranks of the same class are compared; a rank alone in its class is not voted on.
@@ -93,15 +88,11 @@ def decide(tables: Sequence[Sequence[object]], ranks: Sequence[int], names: Sequ
         "suspect_count": len(suspects),
         "differing_parameters": {str(ranks[p]): [names[c] for c in differing[p][:MAX_ITEMS]] for p in shown},
         "differing_parameter_count": {str(ranks[p]): len(differing[p]) for p in shown},
-        "fingerprints": {str(ranks[p]): top({names[c]: _hex(tables[p][c]) for c in differing[p]}) for p in shown},
+        "fingerprints": {str(ranks[p]): top({names[c]: format_fingerprint(tables[p][c]) for c in differing[p]})
+                         for p in shown},
     }
     if reference is not None:
         cols = sorted({c for p in shown for c in differing[p][:MAX_ITEMS]})[:MAX_ITEMS]
         evidence["majority_rank"] = ranks[reference]
-        evidence["majority_fingerprints"] = {names[c]: _hex(tables[reference][c]) for c in cols}
+        evidence["majority_fingerprints"] = {names[c]: format_fingerprint(tables[reference][c]) for c in cols}
     return Finding("weights", tuple(ranks[p] for p in suspects), evidence)
-
-
-def _hex(row: object) -> str:
-    values = row if isinstance(row, (tuple, list)) else (row,)
-    return "-".join(hex64(int(v)) for v in values)
