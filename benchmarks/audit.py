@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import GPT, iqr, lm_loss, load_warning, median, param_count, table, token_batches, write_json
 
 import sdc_telemetry as sdc
-from sdc_telemetry.observer import StepReport
+from sdc_telemetry.sinks.observer import StepReport
 from sdc_telemetry.testing import spawn_ranks
 
 TARGET_AUDIT_STEPS = 1.1

@@ -38,8 +38,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, table, write_json
 
-from sdc_telemetry import alerts, dashboards
-from sdc_telemetry.metrics import CHECK_DURATION_BUCKETS, GPU, SDC
+from sdc_telemetry.ops import alerts, dashboards
+from sdc_telemetry.sinks.metrics import CHECK_DURATION_BUCKETS, GPU, SDC
 
 RANKS_PER_HOST = 8
 CHECKS = ("grad_local", "grad_reduced", "weights", "replay")

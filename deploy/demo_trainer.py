@@ -17,8 +17,8 @@ from collections.abc import Mapping
 import torch.distributed as dist
 
 from sdc_telemetry import RankIdentity
-from sdc_telemetry.demo import DemoPlan, run_rank
-from sdc_telemetry.nvml import FakeNVML
+from sdc_telemetry.ops.demo import DemoPlan, run_rank
+from sdc_telemetry.sinks.nvml import FakeNVML
 
 
 def plan_from_env(env: Mapping[str, str] = os.environ) -> DemoPlan:

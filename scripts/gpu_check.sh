@@ -37,8 +37,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from sdc_telemetry import RankIdentity, SDCConfig
-from sdc_telemetry.metrics import GPU, IDENTITY_LABELS
-from sdc_telemetry.telemetry import Telemetry
+from sdc_telemetry.sinks.metrics import GPU, IDENTITY_LABELS
+from sdc_telemetry.sinks.telemetry import Telemetry
 
 identity = RankIdentity.local(torch.device("cuda", 0))
 print("rank identity:", identity.describe())

@@ -5,15 +5,15 @@
 1
 """
 
-from .certificate import WeightCertificate
-from .checks.replay import check_shippable
-from .config import SDCConfig
-from .fingerprint import digest, fingerprint
-from .identity import RankIdentity
-from .monitor import SDCMonitor
-from .observer import Observer, ReplayDeltas, StepReport
-from .response import EXIT_SDC, Incident, SDCDetected
-from .step import StepContext
+from sdc_telemetry.checks.replay import check_shippable
+from sdc_telemetry.core.certificate import WeightCertificate
+from sdc_telemetry.core.config import SDCConfig
+from sdc_telemetry.core.fingerprint import digest, fingerprint
+from sdc_telemetry.core.identity import RankIdentity
+from sdc_telemetry.core.incident import EXIT_SDC, Incident, SDCDetected
+from sdc_telemetry.monitor import SDCMonitor
+from sdc_telemetry.sinks.observer import Observer, ReplayDeltas, StepReport
+from sdc_telemetry.step import StepContext
 
 __all__ = [
     "EXIT_SDC",

@@ -25,19 +25,21 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ._collective import Agreement, agree, gather_objects, gather_rows, group_ranks
-from .certificate import WeightCertificate, format_fingerprint
-from .checks import Finding, fsdp
-from .checks import grad as grad_check
-from .checks.evidence import bits, unbits
-from .checks.replay import ReplayCheck
-from .checks.weights import WeightsCheck
-from .config import SDCConfig
-from .episodes import Episodes
-from .identity import RankIdentity, numerics_signature
-from .observer import Observer, ReplayDeltas, StepReport
-from .response import Incident, IncidentLog, SDCDetected
-from .step import NO_BATCH, StepContext
+from sdc_telemetry.checks import grad as grad_check
+from sdc_telemetry.checks.replay import ReplayCheck
+from sdc_telemetry.checks.weights import WeightsCheck
+from sdc_telemetry.core.certificate import WeightCertificate, format_fingerprint
+from sdc_telemetry.core.collective import Agreement, agree, gather_objects, gather_rows, group_ranks
+from sdc_telemetry.core.config import SDCConfig
+from sdc_telemetry.core.episodes import Episodes
+from sdc_telemetry.core.evidence import bits, unbits
+from sdc_telemetry.core.findings import Finding
+from sdc_telemetry.core.identity import RankIdentity, numerics_signature
+from sdc_telemetry.core.incident import Incident, SDCDetected
+from sdc_telemetry.parallel import fsdp
+from sdc_telemetry.sinks.incident_log import IncidentLog
+from sdc_telemetry.sinks.observer import Observer, ReplayDeltas, StepReport
+from sdc_telemetry.step import NO_BATCH, StepContext
 
 __all__ = ["SDCMonitor"]
 
@@ -773,7 +775,7 @@ class SDCMonitor:
 
     def _build_telemetry(self, registry: Any, meter_provider: Any, nvml: Any) -> Observer:
         try:
-            from .telemetry import Telemetry
+            from sdc_telemetry.sinks.telemetry import Telemetry
         except ImportError:
             log.warning("sdc_telemetry: OpenTelemetry is not importable; checks go on without metrics",
                         exc_info=True)
@@ -790,7 +792,7 @@ class SDCMonitor:
         if not (self.config.alertmanager_url and self._writer):
             return None
         try:
-            from .pager import AlertmanagerPusher
+            from sdc_telemetry.sinks.pager import AlertmanagerPusher
 
             return AlertmanagerPusher(self.config.alertmanager_url, self.config.job_name,
                                       on_error=lambda: self._observer.internal_error("alertmanager"))

@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .checks.replay import scaled
+from sdc_telemetry.checks.replay import scaled
 
 if TYPE_CHECKING:
-    from .monitor import SDCMonitor
+    from sdc_telemetry.monitor import SDCMonitor
 
 __all__ = ["StepContext", "NO_BATCH"]
 

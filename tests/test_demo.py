@@ -9,7 +9,7 @@ import pytest
 
 
 def _demo(*flags: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "sdc_telemetry.cli", "demo", "--no-stack", "--metrics-port", "0", *flags]
+    cmd = [sys.executable, "-m", "sdc_telemetry.ops.cli", "demo", "--no-stack", "--metrics-port", "0", *flags]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
 
 

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from ..fingerprint import digest, fingerprint
-from . import Finding
-from .evidence import json_float, top
+from sdc_telemetry.core.evidence import json_float, top
+from sdc_telemetry.core.findings import Finding
+from sdc_telemetry.core.fingerprint import digest, fingerprint
 
 __all__ = ["GradRecord", "CommHookState", "comm_hook", "reduced_norms", "decide", "GradStatus", "SCALER_PATIENCE",
            "nonfinite_minority"]

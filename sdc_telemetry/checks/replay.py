@@ -26,14 +26,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._collective import agree, collective_device, gather_rows, sum_counts
-from ..fingerprint import digest, fingerprint
-from ..identity import RankIdentity
-from . import Finding
-from .evidence import MAX_ITEMS, bits, json_float, unbits
-from .fsdp import FSDPLayout, recompute_grads
-from .pairing import Outcome, attribute, plan_pairs
-from .shipping import MicroBatch, check_shippable, pack, unpack
+from sdc_telemetry.checks.pairing import Outcome, attribute, plan_pairs
+from sdc_telemetry.checks.shipping import MicroBatch, check_shippable, pack, unpack
+from sdc_telemetry.core.collective import agree, collective_device, gather_rows, sum_counts
+from sdc_telemetry.core.evidence import MAX_ITEMS, bits, json_float, unbits
+from sdc_telemetry.core.findings import Finding
+from sdc_telemetry.core.fingerprint import digest, fingerprint
+from sdc_telemetry.core.identity import RankIdentity
+from sdc_telemetry.parallel.fsdp import FSDPLayout, recompute_grads
 
 __all__ = ["ReplayCheck", "Measurement", "Outcome", "attribute", "plan_pairs", "scaled", "check_shippable",
            "noise_median"]

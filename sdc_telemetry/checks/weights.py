@@ -12,11 +12,11 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 import torch.distributed as dist
 
-from .._collective import gather_rows
-from ..fingerprint import digest, fingerprint, format_fingerprint
-from . import Finding
-from .evidence import MAX_ITEMS, top
-from .vote import vote
+from sdc_telemetry.core.collective import gather_rows
+from sdc_telemetry.core.evidence import MAX_ITEMS, top
+from sdc_telemetry.core.findings import Finding
+from sdc_telemetry.core.fingerprint import digest, fingerprint, format_fingerprint
+from sdc_telemetry.core.vote import vote
 
 __all__ = ["WeightsCheck", "decide"]
 

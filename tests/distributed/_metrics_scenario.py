@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import sdc_telemetry as sdc
 from sdc_telemetry.faults import FaultInjector
-from sdc_telemetry.nvml import FakeNVML
+from sdc_telemetry.sinks.nvml import FakeNVML
 
 PAUSE_AFTER_STEP = {2: "before_fault"}  # step index -> pause name; "after_run" follows the last step
 FAULT = {"rank": 2, "step": 3, "param": "0.weight", "index": 3, "bit": 10}

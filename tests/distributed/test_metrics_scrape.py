@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sdc_telemetry.metrics import GPU, IDENTITY_LABELS, SDC, Family
+from sdc_telemetry.sinks.metrics import GPU, IDENTITY_LABELS, SDC, Family
 from sdc_telemetry.testing import spawn_ranks
 
 from . import _metrics_scenario as scenario

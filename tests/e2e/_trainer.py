@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import sdc_telemetry as sdc
 from sdc_telemetry.faults import FaultInjector
-from sdc_telemetry.nvml import FakeNVML
+from sdc_telemetry.sinks.nvml import FakeNVML
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from sdc_telemetry.alerts import SUSPECT_ALERTS
-from sdc_telemetry.stack import LocalStack
+from sdc_telemetry.ops.alerts import SUSPECT_ALERTS
+from sdc_telemetry.ops.stack import LocalStack
 from sdc_telemetry.testing import spawn_ranks
 
 from ._trainer import host_of, raise_and_page

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
-from sdc_telemetry.stack import ALERTMANAGER_NAMES
+from sdc_telemetry.ops.stack import ALERTMANAGER_NAMES
 
 pytestmark = pytest.mark.e2e
 
@@ -71,7 +71,7 @@ def responder(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     template = " ".join(shlex.quote(a) for a in (sys.executable, str(script), str(out))) + \
         ' {host_name} "{alertname} rank {rank} {hw_id}"'
     log = open(tmp_path / "respond.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "sdc_telemetry.cli", "respond", "--listen", "127.0.0.1:0",
+    proc = subprocess.Popen([sys.executable, "-m", "sdc_telemetry.ops.cli", "respond", "--listen", "127.0.0.1:0",
                              "--command", template], stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         assert proc.stdout is not None

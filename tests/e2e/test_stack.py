@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from sdc_telemetry.dashboards import panel_queries
-from sdc_telemetry.stack import LocalStack
+from sdc_telemetry.ops.dashboards import panel_queries
+from sdc_telemetry.ops.stack import LocalStack
 from sdc_telemetry.testing import spawn_ranks
 
 from ._trainer import Plan, host_of, train

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sdc_telemetry import alerts
-from sdc_telemetry.metrics import family
+from sdc_telemetry.ops import alerts
+from sdc_telemetry.sinks.metrics import family
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS_PATH = ROOT / "alerts" / alerts.TESTS_FILE
@@ -220,7 +220,7 @@ def document() -> dict[str, Any]:
 
 def text() -> str:
     """The text of ``alerts/sdc-rules.test.yml``."""
-    return (alerts.HEADER.replace("sdc_telemetry.alerts (sdc-telemetry alerts)", "tests/promtool/rule_cases.py")
+    return (alerts.HEADER.replace("sdc_telemetry.ops.alerts (sdc-telemetry alerts)", "tests/promtool/rule_cases.py")
             + f"# Run: promtool test rules alerts/{alerts.TESTS_FILE}\n" + alerts.to_yaml(document()))
 
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from sdc_telemetry import alerts
-from sdc_telemetry.metrics import FAMILIES, IDENTITY_LABELS
+from sdc_telemetry.ops import alerts
+from sdc_telemetry.sinks.metrics import FAMILIES, IDENTITY_LABELS
 from tests.promtool import rule_cases
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,7 +132,7 @@ def test_exporter_down_needs_the_last_scrape_to_say_monitoring_was_on() -> None:
 
 
 def test_rules_take_metric_names_from_the_table() -> None:
-    """Every metric a rule reads is a family of sdc_telemetry.metrics, a recording rule, or Prometheus's up."""
+    """Every metric a rule reads is a family of sdc_telemetry.sinks.metrics, a recording rule, or Prometheus's up."""
     names = {f.name for f in FAMILIES} | {f"{f.name}_{s}" for f in FAMILIES if f.kind == "histogram"
                                           for s in ("bucket", "sum", "count")}
     records = {r["record"] for r in _rules("record")}

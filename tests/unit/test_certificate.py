@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from sdc_telemetry.certificate import WeightCertificate, fingerprint_algorithm, format_fingerprint
-from sdc_telemetry.cli import main
-from sdc_telemetry.fingerprint import fingerprint
+from sdc_telemetry.core.certificate import WeightCertificate, fingerprint_algorithm, format_fingerprint
+from sdc_telemetry.core.fingerprint import fingerprint
+from sdc_telemetry.ops.cli import main
 
 
 def _model() -> torch.nn.Module:
@@ -103,7 +103,7 @@ def test_extra_entries_such_as_buffers_are_ignored() -> None:
 def test_other_fingerprint_algorithm_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """A certificate made with another fingerprint algorithm is not verified: ValueError naming both."""
     cert = WeightCertificate.from_tensors(1, {"w": torch.ones(3)})
-    monkeypatch.setattr(importlib.import_module("sdc_telemetry.fingerprint"), "FINGERPRINT_ALGORITHM", "sdc-fp99",
+    monkeypatch.setattr(importlib.import_module("sdc_telemetry.core.fingerprint"), "FINGERPRINT_ALGORITHM", "sdc-fp99",
                         raising=False)
     with pytest.raises(ValueError, match=r"sdc-fp99"):
         cert.verify({"w": torch.ones(3)})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sdc_telemetry import SDCConfig
-from sdc_telemetry.config import DEFAULT_METRICS_PORT
+from sdc_telemetry.core.config import DEFAULT_METRICS_PORT
 
 
 def test_defaults_are_production_ready() -> None:

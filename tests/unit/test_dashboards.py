@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from sdc_telemetry import alerts, dashboards
-from sdc_telemetry.metrics import FAMILIES, GPU, IDENTITY_LABELS
+from sdc_telemetry.ops import alerts, dashboards
+from sdc_telemetry.sinks.metrics import FAMILIES, GPU, IDENTITY_LABELS
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "dashboards"

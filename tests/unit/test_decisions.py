@@ -14,7 +14,7 @@ from sdc_telemetry import check_shippable
 from sdc_telemetry.checks import grad, weights
 from sdc_telemetry.checks.pairing import Outcome, attribute, plan_pairs
 from sdc_telemetry.checks.replay import noise_median
-from sdc_telemetry.checks.vote import vote
+from sdc_telemetry.core.vote import vote
 
 
 def test_vote_one_outlier() -> None:
@@ -205,8 +205,8 @@ def test_large_finite_fp16_gradients_are_not_called_non_finite() -> None:
 
 def test_an_episode_closes_only_on_a_pass_every_rank_shares() -> None:
     """A rank-local pass (other ranks errored) keeps the episode open, so every rank's episodes stay in step."""
-    from sdc_telemetry.checks import Finding
-    from sdc_telemetry.episodes import Episodes
+    from sdc_telemetry.core.episodes import Episodes
+    from sdc_telemetry.core.findings import Finding
 
     def ident(ranks: tuple[int, ...]) -> tuple[sdc_identity, ...]:
         return tuple(sdc_identity(r, r, "h", f"cpu:h:{r}") for r in ranks)

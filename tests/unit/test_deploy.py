@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
-from sdc_telemetry import alerts, dashboards
-from sdc_telemetry.stack import prometheus_config
+from sdc_telemetry.ops import alerts, dashboards
+from sdc_telemetry.ops.stack import prometheus_config
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"

@@ -10,10 +10,10 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import sdc_telemetry as sdc
+from sdc_telemetry.core.fingerprint import digest
 from sdc_telemetry.faults import flip_bit
-from sdc_telemetry.fingerprint import digest
 
-fp_module = importlib.import_module("sdc_telemetry.fingerprint")  # the package re-exports the function
+fp_module = importlib.import_module("sdc_telemetry.core.fingerprint")  # the package re-exports the function
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8]
 B, K = fp_module._B, fp_module._K
 U64 = 2**64

@@ -11,14 +11,14 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sdc_telemetry import gpu as gpu_mod
-from sdc_telemetry import nvml
-from sdc_telemetry.config import SDCConfig
-from sdc_telemetry.gpu import XidWatcher, read, snapshot
-from sdc_telemetry.identity import RankIdentity
-from sdc_telemetry.metrics import GPU
-from sdc_telemetry.nvml import FakeNVML, NotSupported
-from sdc_telemetry.telemetry import Telemetry
+from sdc_telemetry.core.config import SDCConfig
+from sdc_telemetry.core.identity import RankIdentity
+from sdc_telemetry.sinks import gpu as gpu_mod
+from sdc_telemetry.sinks import nvml
+from sdc_telemetry.sinks.gpu import XidWatcher, read, snapshot
+from sdc_telemetry.sinks.metrics import GPU
+from sdc_telemetry.sinks.nvml import FakeNVML, NotSupported
+from sdc_telemetry.sinks.telemetry import Telemetry
 
 UUID = "GPU-0f3c5a2e-1111-2222-3333-444455556666"
 IDENT = RankIdentity(rank=5, local_rank=1, host_name="gpu-node-7", hw_id=UUID)

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from sdc_telemetry import alerts
-from sdc_telemetry.identity import RankIdentity
-from sdc_telemetry.pager import AlertmanagerPusher
-from sdc_telemetry.response import Incident
-from sdc_telemetry.stack import LocalStack
+from sdc_telemetry.core.identity import RankIdentity
+from sdc_telemetry.core.incident import Incident
+from sdc_telemetry.ops import alerts
+from sdc_telemetry.ops.stack import LocalStack
+from sdc_telemetry.sinks.pager import AlertmanagerPusher
 
 SUSPECT = RankIdentity(rank=2, local_rank=2, host_name="node-b", hw_id="GPU-2")
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from sdc_telemetry.cli import main
-from sdc_telemetry.respond import Responder, TemplateError, parse_listen, parse_template, render
+from sdc_telemetry.ops.cli import main
+from sdc_telemetry.ops.respond import Responder, TemplateError, parse_listen, parse_template, render
 
 # Writes its arguments as one JSON line to the file named by its first argument.
 RECORDER = "import json, sys\nwith open(sys.argv[1], 'a') as f:\n    f.write(json.dumps(sys.argv[2:]) + '\\n')\n"

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from sdc_telemetry import Incident, RankIdentity, SDCDetected
-from sdc_telemetry.response import IncidentLog
+from sdc_telemetry.sinks.incident_log import IncidentLog
 
 
 def _incident(step: int = 4) -> Incident:
@@ -81,7 +81,7 @@ def test_short_write_is_cut_back_and_reported(tmp_path: Path, monkeypatch) -> No
 
     import pytest
 
-    import sdc_telemetry.response as response
+    import sdc_telemetry.sinks.incident_log as response
 
     log = IncidentLog(tmp_path)
     log.append(_incident(1))

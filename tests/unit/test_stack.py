@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sdc_telemetry.stack import LocalStack, StackError, prometheus_config
+from sdc_telemetry.ops.stack import LocalStack, StackError, prometheus_config
 
 
 def test_failed_start_raises_and_leaves_nothing_running(tmp_path: Path) -> None:

@@ -21,15 +21,15 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sdc_telemetry import telemetry as telemetry_mod
-from sdc_telemetry.checks import CHECKS
-from sdc_telemetry.config import SDCConfig
-from sdc_telemetry.identity import RankIdentity
-from sdc_telemetry.metrics import CHECK_DURATION_BUCKETS, FAMILIES, GPU, IDENTITY_LABELS, SDC, family
-from sdc_telemetry.nvml import FakeNVML
-from sdc_telemetry.observer import ReplayDeltas, StepReport
-from sdc_telemetry.response import Incident
-from sdc_telemetry.telemetry import NONFINITE, Telemetry
+from sdc_telemetry.core.config import SDCConfig
+from sdc_telemetry.core.findings import CHECKS
+from sdc_telemetry.core.identity import RankIdentity
+from sdc_telemetry.core.incident import Incident
+from sdc_telemetry.sinks import telemetry as telemetry_mod
+from sdc_telemetry.sinks.metrics import CHECK_DURATION_BUCKETS, FAMILIES, GPU, IDENTITY_LABELS, SDC, family
+from sdc_telemetry.sinks.nvml import FakeNVML
+from sdc_telemetry.sinks.observer import ReplayDeltas, StepReport
+from sdc_telemetry.sinks.telemetry import NONFINITE, Telemetry
 
 IDENT = RankIdentity(rank=3, local_rank=1, host_name="node-b", hw_id="GPU-11111111-2222-3333-4444-555555555555")
 CPU_IDENT = RankIdentity(rank=0, local_rank=0, host_name="node-a", hw_id="cpu:node-a:0")

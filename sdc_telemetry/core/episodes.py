@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Sequence
 
-from .checks import CHECKS, Finding
-from .identity import RankIdentity
-from .response import Incident
+from sdc_telemetry.core.findings import CHECKS, Finding
+from sdc_telemetry.core.identity import RankIdentity
+from sdc_telemetry.core.incident import Incident
 
 __all__ = ["Episodes", "milestone"]
 

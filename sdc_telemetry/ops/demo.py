@@ -17,13 +17,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .config import SDCConfig
-from .faults import FaultInjector
-from .identity import RankIdentity
-from .monitor import SDCMonitor
-from .nvml import FakeNVML
-from .response import SDCDetected
-from .telemetry import Telemetry
+from sdc_telemetry.core.config import SDCConfig
+from sdc_telemetry.core.identity import RankIdentity
+from sdc_telemetry.core.incident import SDCDetected
+from sdc_telemetry.faults import FaultInjector
+from sdc_telemetry.monitor import SDCMonitor
+from sdc_telemetry.sinks.nvml import FakeNVML
+from sdc_telemetry.sinks.telemetry import Telemetry
 
 __all__ = ["DemoPlan", "run_rank", "expected", "FAULTS", "DemoModel", "demo_loss"]
 

@@ -4,7 +4,7 @@
 checked in under ``dashboards/`` (``sdc-telemetry dashboards`` regenerates them). Uids are fixed, so links between
 the two dashboards and provisioning survive regeneration, and the output is byte-for-byte deterministic.
 
-The overview reads the ``sdc:*`` recording rules of ``sdc_telemetry.alerts`` (per host and per job) and per-rank
+The overview reads the ``sdc:*`` recording rules of ``sdc_telemetry.ops.alerts`` (per host and per job) and per-rank
 series only for the suspects table and top-k panels, so that it stays fast at 16,384 ranks; the GPU dashboard is per
 GPU and filters by host and GPU first.
 
@@ -43,8 +43,8 @@ from grafanalib.core import (
     TimeSeries,
 )
 
-from .alerts import RECORDING_RULES
-from .metrics import GPU, Family, family
+from sdc_telemetry.ops.alerts import RECORDING_RULES
+from sdc_telemetry.sinks.metrics import GPU, Family, family
 
 __all__ = ["OVERVIEW_UID", "GPU_UID", "PanelQuery", "dashboards", "dashboard_json", "panel_queries", "generate"]
 
@@ -72,9 +72,9 @@ _RECORDED = {r.record for r in RECORDING_RULES}
 
 
 def _recorded(name: str) -> str:
-    """A recording rule of ``sdc_telemetry.alerts`` by name; ``KeyError`` if the rule file has no such rule."""
+    """A recording rule of ``sdc_telemetry.ops.alerts`` by name; ``KeyError`` if the rule file has no such rule."""
     if name not in _RECORDED:
-        raise KeyError(f"no recording rule {name!r} in sdc_telemetry.alerts")
+        raise KeyError(f"no recording rule {name!r} in sdc_telemetry.ops.alerts")
     return name
 
 

@@ -8,7 +8,7 @@ binaries (``LocalStack.available()``)::
         print(page["labels"]["host_name"], page["labels"]["rank"], page["labels"]["hw_id"])
         stack.query('sdc_suspect == 1')
 
-The rules are rendered from ``sdc_telemetry.alerts`` (the same text as ``alerts/sdc-rules.yml``), the routing is
+The rules are rendered from ``sdc_telemetry.ops.alerts`` (the same text as ``alerts/sdc-rules.yml``), the routing is
 ``alerts/alertmanager.yml`` with its grouping waits shortened and its webhooks pointed at this process (the
 ``responder`` route only with ``responder=True``, to ``<webhook_url>/responder``), and the scrape
 job is named ``sdc`` like the shipped ``deploy/prometheus.yml``. Every process and thread started is stopped by
@@ -36,7 +36,7 @@ from typing import IO, Any
 
 import yaml
 
-from .alerts import RULES_FILE, SCRAPE_JOB, alertmanager_config, rules_yaml
+from sdc_telemetry.ops.alerts import RULES_FILE, SCRAPE_JOB, alertmanager_config, rules_yaml
 
 __all__ = ["LocalStack", "StackError", "prometheus_config"]
 

@@ -115,4 +115,4 @@ def family(name: str) -> Family:
     try:
         return _BY_NAME[name]
     except KeyError:
-        raise KeyError(f"no metric family {name!r} in sdc_telemetry.metrics") from None
+        raise KeyError(f"no metric family {name!r} in sdc_telemetry.sinks.metrics") from None

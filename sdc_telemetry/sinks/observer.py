@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .response import Incident
+    from sdc_telemetry.core.incident import Incident
 
 __all__ = ["Observer", "StepReport", "ReplayDeltas", "RESULTS"]
 

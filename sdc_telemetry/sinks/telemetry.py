@@ -41,13 +41,13 @@ from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, V
 from opentelemetry.sdk.resources import Resource
 from prometheus_client.metrics_core import Metric
 
-from . import nvml as _nvml
-from .checks import CHECKS
-from .config import SDCConfig
-from .gpu import GPUCollector
-from .identity import RankIdentity
-from .metrics import CHECK_DURATION_BUCKETS, SDC, Family, family
-from .observer import RESULTS, Observer, StepReport
+from sdc_telemetry.core.config import SDCConfig
+from sdc_telemetry.core.findings import CHECKS
+from sdc_telemetry.core.identity import RankIdentity
+from sdc_telemetry.sinks import nvml as _nvml
+from sdc_telemetry.sinks.gpu import GPUCollector
+from sdc_telemetry.sinks.metrics import CHECK_DURATION_BUCKETS, SDC, Family, family
+from sdc_telemetry.sinks.observer import RESULTS, Observer, StepReport
 
 __all__ = ["Telemetry", "resource_attributes", "NONFINITE", "PHASES"]
 

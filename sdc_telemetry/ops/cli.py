@@ -14,13 +14,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config import DEFAULT_METRICS_PORT
+from sdc_telemetry.core.config import DEFAULT_METRICS_PORT
 
 __all__ = ["main"]
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
-    from .demo import FAULTS
+    from sdc_telemetry.ops.demo import FAULTS
 
     p.add_argument("--fault", choices=FAULTS, default="weight-bitflip", help="fault to inject (default: %(default)s)")
     p.add_argument("--fault-rank", type=int, default=2, help="rank that misbehaves (default: %(default)s)")
@@ -48,16 +48,16 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
 
 def _stack_cls() -> Any:
     try:
-        from .stack import LocalStack
+        from sdc_telemetry.ops.stack import LocalStack
     except ImportError:
         return None
     return LocalStack if LocalStack.available() else None
 
 
 def demo(args: argparse.Namespace) -> int:
-    from .alerts import SUSPECT_ALERTS
-    from .demo import DemoPlan, expected, run_rank
-    from .testing import spawn_ranks
+    from sdc_telemetry.ops.alerts import SUSPECT_ALERTS
+    from sdc_telemetry.ops.demo import DemoPlan, expected, run_rank
+    from sdc_telemetry.testing import spawn_ranks
 
     if args.world is None:
         args.world = 6 if args.layout == "hsdp" else 4
@@ -107,7 +107,7 @@ def demo(args: argparse.Namespace) -> int:
     page, drained = None, None
     try:
         if stack_cls is not None:
-            from .respond import Responder
+            from sdc_telemetry.ops.respond import Responder
 
             drains = Path(tmp.name) / "drained.jsonl"
             # A harmless stand-in for `scontrol update NodeName={host_name} State=DRAIN ...`: it records its argv.
@@ -171,7 +171,7 @@ def _check_checkpoint(results: list[dict[str, Any]], want: tuple[tuple[str, ...]
     """Verify the demo's checkpoint against its certificate, and say whether it predates the incident."""
     import torch
 
-    from .certificate import WeightCertificate
+    from sdc_telemetry.core.certificate import WeightCertificate
 
     path = results[0].get("checkpoint") if results else None
     if not path or not Path(path).exists():
@@ -218,11 +218,11 @@ def _report(results: list[dict[str, Any]], want: tuple[tuple[str, ...], int, int
 
 
 def regenerate(kind: str, out: str | None) -> int:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     if kind == "dashboards":
-        from .dashboards import generate
+        from sdc_telemetry.ops.dashboards import generate
     else:
-        from .alerts import generate
+        from sdc_telemetry.ops.alerts import generate
     paths = generate(Path(out) if out else root / kind)
     for p in paths:
         print(p)
@@ -247,7 +247,7 @@ def respond(args: argparse.Namespace) -> int:
     import logging
     import signal
 
-    from .respond import Responder, TemplateError, parse_listen
+    from sdc_telemetry.ops.respond import Responder, TemplateError, parse_listen
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
@@ -280,7 +280,7 @@ def respond(args: argparse.Namespace) -> int:
 def verify_checkpoint(path: str, key: str | None) -> int:
     import torch
 
-    from .certificate import WeightCertificate
+    from sdc_telemetry.core.certificate import WeightCertificate
 
     def fail(msg: str) -> int:
         print(f"sdc-telemetry verify-checkpoint: {path}: {msg}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Incidents and what happens to them: kept, logged once, appended to a JSONL file, raised when configured."""
+"""The incident log: ``<incident_dir>/incidents.jsonl``, one JSON line per episode opened and per repeat milestone."""
 
 from __future__ import annotations
 
@@ -7,101 +7,16 @@ import logging
 import os
 import time
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .identity import RankIdentity
+from sdc_telemetry.core.incident import Incident
 
-__all__ = ["Incident", "SDCDetected", "IncidentLog", "INCIDENT_FILE", "EXIT_SDC"]
+__all__ = ["IncidentLog", "INCIDENT_FILE"]
 
 log = logging.getLogger("sdc_telemetry")
 
 INCIDENT_FILE = "incidents.jsonl"
-
-
-@dataclass
-class Incident:
-    """One episode of one check: opened at ``step``, identical on every rank.
-
-    ``evidence`` is JSON-serialisable and bounded in size: the fingerprints or values that disagreed, and the check's
-    reasoning (``ambiguous``, ``verdict``...). ``evidence["verdict"] == "numerics"`` with no suspects is a numerics
-    event (every rank non-finite at once: overflow, a bad batch, divergence), never a hardware suspect.
-
-    One fault is one incident: while later steps find the same check naming the same suspects, the episode is
-    updated (``count`` findings so far, ``last_step``) instead of a new incident being opened.
-    """
-
-    step: int
-    check: str
-    suspect_ranks: tuple[int, ...]
-    suspects: tuple[RankIdentity, ...]
-    evidence: dict[str, Any] = field(default_factory=dict)
-    time_unix: float = field(default_factory=time.time)
-    count: int = 1
-    last_step: int = -1
-
-    def __post_init__(self) -> None:
-        if self.last_step < 0:
-            self.last_step = self.step
-
-    @property
-    def numerics(self) -> bool:
-        """Every rank non-finite at once: recorded and counted, never raised or paged as a node."""
-        return not self.suspect_ranks and self.evidence.get("verdict") == "numerics"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "check": self.check,
-            "suspect_ranks": list(self.suspect_ranks),
-            "suspects": [s.to_dict() for s in self.suspects],
-            "evidence": self.evidence,
-            "time_unix": self.time_unix,
-            "count": self.count,
-            "last_step": self.last_step,
-        }
-
-    def describe(self) -> str:
-        """One log line naming check, step, host, rank and GPU of every suspect."""
-        who = "; ".join(f"host={s.host_name} rank={s.rank} local_rank={s.local_rank} gpu={s.hw_id}"
-                        for s in self.suspects)
-        extra = " (ambiguous)" if self.evidence.get("ambiguous") else ""
-        verdict = self.evidence.get("verdict")
-        what = f" verdict={verdict}" if verdict else ""
-        if self.numerics:
-            return (f"SDC numerics event: check={self.check} step={self.step}: non-finite gradients on every rank "
-                    "(overflow, a bad batch or divergence; not a hardware suspect)")
-        return f"SDC incident: check={self.check} step={self.step}{what} suspects{extra}: {who}"
-
-
-# The process exit code of a rank that stopped on an SDC incident (sysexits' EX_TEMPFAIL: "try again later"), so
-# that torchrun, Slurm and Kubernetes can tell a stop on purpose from a crash and restart without the node.
-EXIT_SDC = 75
-
-
-class SDCDetected(RuntimeError):
-    """Raised on every rank at the same step when ``on_suspect="raise"`` (at the end of the step's
-    ``with monitor.step()`` block, before ``optimizer.step()``); ``.incident`` says what and who.
-
-    Stop recipe::
-
-        try:
-            train()
-        except sdc.SDCDetected as e:
-            monitor.close()                 # returns within seconds; the page was already pushed
-            sys.stdout.flush(); sys.stderr.flush()
-            os._exit(e.exit_code)           # sdc.EXIT_SDC (75) on every rank
-
-    ``os._exit`` rather than ``sys.exit``: gloo's threads can abort a process during interpreter teardown after
-    ``destroy_process_group()``, and the launcher would then report a crash instead of the SDC stop.
-    """
-
-    exit_code = EXIT_SDC
-
-    def __init__(self, incident: Incident) -> None:
-        super().__init__(incident.describe())
-        self.incident = incident
 
 
 class IncidentLog:

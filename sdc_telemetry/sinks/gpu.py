@@ -18,8 +18,8 @@ from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
-from .metrics import GPU, Family
-from .nvml import NotSupported, NVMLDevice
+from sdc_telemetry.sinks.metrics import GPU, Family
+from sdc_telemetry.sinks.nvml import NotSupported, NVMLDevice
 
 __all__ = ["read", "snapshot", "READ", "XidWatcher", "GPUCollector", "CLOCK_EVENT_REASONS"]
 

@@ -2,7 +2,7 @@
 
 ``NVMLDevice`` is the protocol, in NVML's own units (mW, MHz, percent). ``RealNVML`` implements it over ``pynvml``;
 ``FakeNVML`` with values you set, for tests and for the CPU demo (its ``source`` says the values are simulated). A
-field the device does not support raises ``NotSupported``; the collector (``sdc_telemetry.gpu``) leaves it out::
+field the device does not support raises ``NotSupported``; the collector (``sdc_telemetry.sinks.gpu``) leaves it out::
 
     gpu = FakeNVML("GPU-0f3c...", values={"temperature": 71}, unsupported={"retired_pages"})
     gpu.power_usage()          # 250000.0 (mW, as NVML reports it)

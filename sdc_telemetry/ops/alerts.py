@@ -2,7 +2,7 @@
 
 ``generate(out_dir)`` writes ``sdc-rules.yml`` and ``alertmanager.yml`` (checked in under ``alerts/``;
 ``sdc-telemetry alerts`` regenerates them). Alert names, severities and labels are a contract: on-call routing,
-the responder and the direct push (``sdc_telemetry.pager``) rely on them.
+the responder and the direct push (``sdc_telemetry.sinks.pager``) rely on them.
 
 Why the expressions look the way they do:
 
@@ -21,15 +21,24 @@ Why the expressions look the way they do:
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from .metrics import family
+from sdc_telemetry.sinks.alert_table import (
+    RANK_LABELS,
+    RUNBOOK,
+    SUSPECT_ALERTS,
+    SUSPECTS,
+    WHO,
+    AlertRule,
+    render_template,
+    runbook_anchor,
+    suspect_alert,
+)
+from sdc_telemetry.sinks.metrics import family
 
 __all__ = ["AlertRule", "RecordingRule", "RULES", "RECORDING_RULES", "SUSPECT_ALERTS", "RULES_FILE", "TESTS_FILE",
            "ALERTMANAGER_FILE", "RUNBOOK", "SCRAPE_JOB", "RANK_LABELS", "EVENT_WINDOW", "STALE_AFTER", "FAILING_FOR",
@@ -40,7 +49,6 @@ RULES_FILE = "sdc-rules.yml"
 ROLLUP_INTERVAL = "1m"
 TESTS_FILE = "sdc-rules.test.yml"  # promtool unit tests, written by the test suite (tests/promtool)
 ALERTMANAGER_FILE = "alertmanager.yml"
-RUNBOOK = "docs/runbook.md"
 SCRAPE_JOB = "sdc"
 # Where the shipped routing sends critical SDC alerts besides the pager: `sdc-telemetry respond` drains the node.
 RESPONDER_URL = "http://sdc-responder:9095/alerts"
@@ -75,45 +83,9 @@ _CLOSED = family("sdc_monitor_closed").name
 _ECC = family("hw_errors_total").name
 _XID = family("gpu_xid_errors_total").name
 
-# Labels an alert about one rank carries (the metrics' identity labels, less the per-process instance id).
-RANK_LABELS = ("service_name", "host_name", "rank", "local_rank", "hw_id")
 _JOIN = "service_name, host_name, rank, hw_id"
 _BY = ", ".join(RANK_LABELS)
-_WHO = "rank {{ $labels.rank }} on host {{ $labels.host_name }} (GPU {{ $labels.hw_id }})"
 _TARGET = f'job="{SCRAPE_JOB}"'
-
-
-def runbook_anchor(alert: str) -> str:
-    """The runbook heading anchor of ``alert`` (GitHub slug of a ``## <AlertName>`` heading)."""
-    return alert.lower()
-
-
-@dataclass(frozen=True)
-class AlertRule:
-    name: str
-    severity: str
-    expr: str
-    summary: str
-    description: str
-    for_: str = "0s"
-    labels: Mapping[str, str] = field(default_factory=dict)
-
-    def rule_labels(self) -> dict[str, str]:
-        """The labels the rule adds to every alert it fires (severity first)."""
-        return {"severity": self.severity, **self.labels}
-
-    def annotations(self, runbook_base: str = RUNBOOK) -> dict[str, str]:
-        """The annotation templates (``{{ $labels.x }}`` still in them)."""
-        return {"summary": self.summary, "description": self.description,
-                "runbook_url": f"{runbook_base}#{runbook_anchor(self.name)}"}
-
-    def to_rule(self, runbook_base: str = RUNBOOK) -> dict[str, Any]:
-        rule: dict[str, Any] = {"alert": self.name, "expr": self.expr}
-        if self.for_ != "0s":
-            rule["for"] = self.for_
-        rule["labels"] = self.rule_labels()
-        rule["annotations"] = self.annotations(runbook_base)
-        return rule
 
 
 @dataclass(frozen=True)
@@ -163,55 +135,8 @@ def checks_stalled_expr(matchers: str = "") -> str:
 
 # -- critical: hardware suspects ---------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _Suspect:
-    alert: str
-    summary: str
-    description: str
-    labels: Mapping[str, str] = field(default_factory=dict)
-
-
-# One critical alert per check, keyed by the check that latches sdc_suspect{check}. No $value in these annotations:
-# the direct push renders them without a query result.
-_SUSPECTS: dict[str, _Suspect] = {
-    "weights": _Suspect(
-        "SDCWeightFingerprintMismatch",
-        summary=f"SDC: weights of {_WHO} differ from the other replicas",
-        description=f"The weight-fingerprint check found that {_WHO} holds parameters that differ from the "
-                    "replicas' majority. Its memory or arithmetic silently corrupted the model: stop the job or let "
-                    "it stop, drain the node, and resume from a checkpoint certified before the incident step.",
-    ),
-    "replay": _Suspect(
-        "SDCReplayMismatch",
-        summary=f"SDC: recomputing a step of {_WHO} does not reproduce it",
-        description=f"The replay check named {_WHO}: its recorded loss or gradients differ from a partner's "
-                    "recomputation of the same micro-batch with the same weights and RNG state, while the other "
-                    "pairs agree. The GPU computes finite but wrong results; see its counters on the GPU health "
-                    "dashboard.",
-    ),
-    "grad_local": _Suspect(
-        "SDCNonFiniteGradient",
-        labels={"phase": "local"},
-        summary=f"SDC: non-finite local gradients on {_WHO} while the other ranks' were finite",
-        description=f"{_WHO} computed NaN/Inf gradients before the all-reduce while the other replicas computed "
-                    "finite ones for the same step: suspect this GPU, not the model. The NaN spread to every "
-                    "replica through the all-reduce: resume from a checkpoint certified before the incident step.",
-    ),
-    "grad_reduced": _Suspect(
-        "SDCCommunicationCorruption",
-        summary=f"SDC: all-reduce delivered corrupted gradients to {_WHO}",
-        description=f"{_WHO} received non-finite reduced gradients while every rank's local gradients were "
-                    "finite. Suspect the communication path of this host (NIC, NVLink/NVSwitch, PCIe, the "
-                    "collective library) rather than the GPU's arithmetic.",
-    ),
-}
-
-# check -> alert name of the critical alert that pages its suspects.
-SUSPECT_ALERTS: dict[str, str] = {check: s.alert for check, s in _SUSPECTS.items()}
-
-
 def _suspect_rule(check: str) -> AlertRule:
-    s = _SUSPECTS[check]
+    s = SUSPECTS[check]
     expr = f"max by ({_BY}) (max_over_time({_sel(_SUSPECT, check=check)}[{EVENT_WINDOW}])) > 0"
     return AlertRule(s.alert, "critical", expr, s.summary, s.description, labels={**s.labels, "check": check})
 
@@ -248,18 +173,18 @@ _CLOSED_LAST_RULE = RecordingRule(
 
 
 RULES: tuple[AlertRule, ...] = (
-    *(_suspect_rule(check) for check in _SUSPECTS),
+    *(_suspect_rule(check) for check in SUSPECTS),
     AlertRule(
         "SDCChecksStalled", "warning", checks_stalled_expr(), for_="5m",
-        summary="SDC check {{ $labels.check }} stalled on " + _WHO,
-        description=f"Training steps advance on {_WHO} but the {{{{ $labels.check }}}} check last ran "
+        summary="SDC check {{ $labels.check }} stalled on " + WHO,
+        description=f"Training steps advance on {WHO} but the {{{{ $labels.check }}}} check last ran "
                     "{{ $value | humanizeDuration }} ago: this rank is not protected by it. Check the job's logs "
                     "for sdc_telemetry errors and sdc_internal_errors_total.",
     ),
     AlertRule(
         "SDCCheckFailing", "warning", _check_failing_expr(),
-        summary="SDC check {{ $labels.check }} cannot run on " + _WHO,
-        description=f"For {FAILING_FOR} the {{{{ $labels.check }}}} check on {_WHO} counted only error or skipped "
+        summary="SDC check {{ $labels.check }} cannot run on " + WHO,
+        description=f"For {FAILING_FOR} the {{{{ $labels.check }}}} check on {WHO} counted only error or skipped "
                     "results, not one pass or fail: the check is due but blind, so this rank is not protected by it. "
                     "The job's log names the reason (unfaithful replay, a failed collective, an unmeasured rank); "
                     "see sdc_internal_errors_total by component.",
@@ -276,8 +201,8 @@ RULES: tuple[AlertRule, ...] = (
         "SDCExporterDown", "warning",
         f"(up{{{_TARGET}}} == 0)\n* on (job, instance) group_left ({_BY})\n({CLOSED_LAST} == 0)",
         for_="2m",
-        summary="SDC endpoint {{ $labels.instance }} of " + _WHO + " vanished",
-        description="Prometheus cannot scrape the SDC endpoint {{ $labels.instance }} of " + _WHO + ", and its "
+        summary="SDC endpoint {{ $labels.instance }} of " + WHO + " vanished",
+        description="Prometheus cannot scrape the SDC endpoint {{ $labels.instance }} of " + WHO + ", and its "
                     "last scrape said monitoring was still on (sdc_monitor_closed 0): the training process died, "
                     "hung or lost its exporter without close(). Its checks are invisible. A job that ended with "
                     "close() pages nobody.",
@@ -349,44 +274,6 @@ def rules_document(runbook_base: str = RUNBOOK, rollup_interval: str | None = RO
 
 # -- the same alert, pushed ------------------------------------------------------------------------------------------
 
-_TEMPLATE = re.compile(r"\{\{ \$(labels\.(\w+)|value)( \| humanizeDuration)? \}\}")
-
-
-def render_template(template: str, labels: Mapping[str, str], value: str = "") -> str:
-    """What Prometheus renders for the templates these rules use (``{{ $labels.x }}``, ``{{ $value }}``,
-    ``{{ $value | humanizeDuration }}`` with ``value`` given already humanized)."""
-    def sub(m: re.Match[str]) -> str:
-        return value if m.group(1) == "value" else labels.get(m.group(2), "")
-    return _TEMPLATE.sub(sub, template)
-
-
-def suspect_alert(check: str, identity_labels: Mapping[str, object], service_name: str, *,
-                  runbook_base: str = RUNBOOK) -> dict[str, dict[str, str]]:
-    """The labels and annotations of the critical alert the rules fire for a suspect rank of ``check``.
-
-    ``identity_labels`` holds the rank's ``host_name``, ``rank``, ``local_rank`` and ``hw_id`` (other keys are
-    ignored). Alertmanager identifies an alert by its labels, so an alert posted with these (``sdc_telemetry.pager``)
-    and the rule's alert for the same rank are one alert, paged once.
-
-    >>> suspect_alert("weights", {"host_name": "n7", "rank": 2, "local_rank": 2, "hw_id": "GPU-1"}, "llm")["labels"]
-    ... # doctest: +NORMALIZE_WHITESPACE
-    {'alertname': 'SDCWeightFingerprintMismatch', 'severity': 'critical', 'check': 'weights', 'service_name': 'llm',
-     'host_name': 'n7', 'rank': '2', 'local_rank': '2', 'hw_id': 'GPU-1'}
-    """
-    if check not in _SUSPECTS:
-        raise ValueError(f"check must be one of {sorted(_SUSPECTS)}, got {check!r}")
-    missing = [k for k in RANK_LABELS if k != "service_name" and k not in identity_labels]
-    if missing:
-        raise ValueError(f"identity_labels lacks {missing} (has {sorted(identity_labels)})")
-    if not service_name:
-        raise ValueError("service_name must be a non-empty string (the job name the metrics carry)")
-    rule = _suspect_rule(check)
-    ident = {"service_name": service_name, **{k: str(identity_labels[k]) for k in RANK_LABELS[1:]}}
-    labels = {"alertname": rule.name, **rule.rule_labels(), **ident}
-    annotations = {k: render_template(v, labels) for k, v in rule.annotations(runbook_base).items()}
-    return {"labels": labels, "annotations": annotations}
-
-
 # -- Alertmanager -----------------------------------------------------------------------------------------------------
 
 def alertmanager_config(pager_url: str = "http://webhook-sink:5001/pager",
@@ -455,7 +342,7 @@ def to_yaml(doc: Any) -> str:
     return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=120, allow_unicode=True)
 
 
-HEADER = "# Generated by sdc_telemetry.alerts (sdc-telemetry alerts); edit the Python, not this file.\n"
+HEADER = "# Generated by sdc_telemetry.ops.alerts (sdc-telemetry alerts); edit the Python, not this file.\n"
 
 
 def rules_yaml(runbook_base: str = RUNBOOK, rollup_interval: str | None = ROLLUP_INTERVAL) -> str:

@@ -8,8 +8,8 @@ The metrics path pages through Prometheus: a scrape, a rule evaluation, then Ale
     pusher.close()               # at shutdown: waits (bounded) for a pending post
 
 Each alert has the alert name, labels and annotations of the Prometheus rule for the same check and rank
-(``sdc_telemetry.alerts.suspect_alert``), so Alertmanager treats the pushed alert and the rule's alert as one and
-pages once. ``endsAt`` is ``ttl_s`` ahead: a pushed alert nobody refreshes resolves by itself.
+(``sdc_telemetry.sinks.alert_table.suspect_alert``), so Alertmanager treats the pushed alert and the rule's alert as
+one and pages once. ``endsAt`` is ``ttl_s`` ahead: a pushed alert nobody refreshes resolves by itself.
 
 Telemetry never breaks training: ``page()`` and ``close()`` never raise and never block on the network. A failure
 calls ``on_error`` (the monitor counts it in ``sdc_internal_errors_total{component="alertmanager"}``) and is logged
@@ -30,8 +30,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from .alerts import suspect_alert
-from .response import Incident
+from sdc_telemetry.core.incident import Incident
+from sdc_telemetry.sinks.alert_table import suspect_alert
 
 __all__ = ["AlertmanagerPusher"]
 

@@ -1,0 +1,1 @@
+"""One Layout adapter per parallelism: the only place that knows what kind of model is being trained."""
