@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, table, write_json
 
 from sdc_telemetry.ops import alerts, dashboards
-from sdc_telemetry.sinks.metrics import CHECK_DURATION_BUCKETS, GPU, SDC
+from sdc_telemetry.sinks.metrics import CHECK_DURATION_BUCKETS, FLEET, GPU, SDC
 
 RANKS_PER_HOST = 8
 CHECKS = ("grad_local", "grad_reduced", "weights", "replay")
@@ -55,6 +55,7 @@ VALUES: dict[str, dict[str, tuple[str, ...]]] = {
     "sdc_grad_nonfinite_total": {"phase": ("local", "reduced")},
     "sdc_grad_norm": {"phase": ("local", "reduced")},
     "sdc_suspect": {"check": CHECKS},
+    "sdc_suspect_ambiguous": {"check": CHECKS},
     "sdc_incidents_total": {"check": CHECKS},
     "sdc_internal_errors_total": {"component": ("telemetry",)},
     "hw_errors_total": {"hw_type": ("gpu",), "error_type": ("corrected", "uncorrected")},
@@ -166,6 +167,16 @@ def write_openmetrics(path: Path, ranks: range, start: int, points: int, service
                     f.write("".join(f"{fam.name}{labels} {_value(fam.name, combo, r, i, start + 15 * i, half):g} "
                                     f"{t}\n" for i, t in enumerate(ts)))
                     n += points
+        # The responder's GPU ledger (its own /metrics, no rank identity): the suspect's GPU got a strike.
+        for fam in FLEET:
+            f.write(f"# TYPE {fam.name} unknown\n")
+            for r, ident in idents:
+                if r != SUSPECT_RANK:
+                    continue
+                labels = _labels({"hw_id": ident["hw_id"], "host_name": ident["host_name"], "job": "sdc-responder",
+                                  "instance": "sdc-responder:9095"})
+                f.write("".join(f"{fam.name}{labels} 1 {t}\n" for t in ts[half:]))
+                n += points - half
         f.write("# TYPE up unknown\n")
         for _, ident in idents:
             labels = _labels({"job": ident["job"], "instance": ident["instance"]})

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-__all__ = ["SDCConfig", "DEFAULT_METRICS_PORT"]
+__all__ = ["SDCConfig", "DEFAULT_METRICS_PORT", "http_url_problem"]
 
 # 9100 is node_exporter, 9400 dcgm-exporter, 9464 the OpenTelemetry exporters' default: stay clear of all three.
 # Rank ports are base + local_rank, so 9860-9867 on an 8-GPU node.
@@ -80,9 +81,11 @@ class SDCConfig:
                 raise ValueError(f"SDCConfig.{name} must be a non-empty string, got {getattr(self, name)!r}")
         if self.otlp_endpoint is not None and not str(self.otlp_endpoint).startswith(("http://", "https://")):
             raise ValueError(f"SDCConfig.otlp_endpoint must be an http(s) URL or None, got {self.otlp_endpoint!r}")
-        url = self.alertmanager_url
-        if url is not None and (not isinstance(url, str) or not url.startswith(("http://", "https://"))):
-            raise ValueError(f"SDCConfig.alertmanager_url must be an http(s) base URL or None, got {url!r}")
+        if self.alertmanager_url is not None:
+            problem = http_url_problem(self.alertmanager_url)
+            if problem is not None:
+                raise ValueError(f"SDCConfig.alertmanager_url must be the http(s) base URL of an Alertmanager "
+                                 f"(http://alertmanager:9093) or None: {problem}, got {self.alertmanager_url!r}")
         if self.incident_dir is not None and not isinstance(self.incident_dir, (str, os.PathLike)):
             raise ValueError(f"SDCConfig.incident_dir must be a path or None, got {self.incident_dir!r}")
 
@@ -101,6 +104,30 @@ class SDCConfig:
             values[f.name] = _parse(var, env[var], f.name)
         values.update(overrides)
         return cls(**values)
+
+
+def http_url_problem(url: object) -> str | None:
+    """What is wrong with ``url`` as the base URL of an HTTP service (None when nothing is): it must be a string
+    with an ``http``/``https`` scheme, a host, a valid port if any, and no whitespace, control characters, query or
+    fragment."""
+    if not isinstance(url, str):
+        return f"not a string ({type(url).__name__})"
+    if not url or any(c.isspace() or not c.isprintable() for c in url):
+        return "empty, or holds whitespace or control characters"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # raises ValueError for a port that is not a number in 0..65535
+    except ValueError as e:
+        return f"malformed ({e})"
+    if parts.scheme not in ("http", "https"):
+        return f"the scheme is {parts.scheme or 'missing'!s}, not http or https"
+    if not parts.hostname:
+        return "no host"
+    if port == 0:
+        return "port 0"
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        return "a query or fragment has no place in a base URL"
+    return None
 
 
 _INT_FIELDS = {"weights_every", "replay_every"}

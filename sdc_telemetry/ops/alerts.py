@@ -8,6 +8,9 @@ Why the expressions look the way they do:
 
 * Pages are for hardware suspects only. The monitor latches ``sdc_suspect{check}`` to 1 on a rank that a minority
   vote named; a numerics event (NaN/Inf on every rank at once: overflow, a bad batch, divergence) never sets it.
+  A suspect of an ambiguous verdict (two replicas and no referee, a single process, a vote without a majority)
+  latches ``sdc_suspect_ambiguous{check}`` instead: each suspect alert has a second rule with the same name,
+  ``severity="warning"`` and ``ambiguous="true"`` that reads it, so an ambiguous verdict warns and never pages.
   The raw non-finite counters therefore never page: when they rise on every rank step after step,
   ``SDCTrainingNonFinite`` warns the job's owner instead.
 * A corruption is usually a one-step event, and a process that stops right after it (``on_suspect="raise"``) is
@@ -28,22 +31,25 @@ from typing import Any
 import yaml
 
 from sdc_telemetry.sinks.alert_table import (
+    AMBIGUOUS_LABEL,
     RANK_LABELS,
     RUNBOOK,
     SUSPECT_ALERTS,
     SUSPECTS,
     WHO,
     AlertRule,
+    ambiguous_suspect_rule,
     render_template,
     runbook_anchor,
     suspect_alert,
+    suspect_rule,
 )
 from sdc_telemetry.sinks.metrics import family
 
 __all__ = ["AlertRule", "RecordingRule", "RULES", "RECORDING_RULES", "SUSPECT_ALERTS", "RULES_FILE", "TESTS_FILE",
            "ALERTMANAGER_FILE", "RUNBOOK", "SCRAPE_JOB", "RANK_LABELS", "EVENT_WINDOW", "STALE_AFTER", "FAILING_FOR",
-           "RESPONDER_URL", "rules_document", "rules_yaml", "alertmanager_config", "checks_stalled_expr",
-           "suspect_alert", "render_template", "generate", "runbook_anchor"]
+           "RESPONDER_URL", "RESPONDER_CREDENTIALS_FILE", "rules_document", "rules_yaml", "alertmanager_config",
+           "checks_stalled_expr", "suspect_alert", "render_template", "generate", "runbook_anchor"]
 
 RULES_FILE = "sdc-rules.yml"
 ROLLUP_INTERVAL = "1m"
@@ -52,6 +58,9 @@ ALERTMANAGER_FILE = "alertmanager.yml"
 SCRAPE_JOB = "sdc"
 # Where the shipped routing sends critical SDC alerts besides the pager: `sdc-telemetry respond` drains the node.
 RESPONDER_URL = "http://sdc-responder:9095/alerts"
+# The bearer token Alertmanager sends the responder (`sdc-telemetry respond --bearer-token-file` reads the same
+# token): the shipped routing reads it from this file on the Alertmanager host.
+RESPONDER_CREDENTIALS_FILE = "/etc/alertmanager/sdc-responder.token"
 
 # How long one scraped sample of an SDC event keeps its alert firing (after the process is gone).
 EVENT_WINDOW = "15m"
@@ -71,6 +80,8 @@ _STEPS = family("sdc_steps_total").name
 _CHECKS = family("sdc_checks_total").name
 _DURATION = family("sdc_check_duration_seconds").name
 _SUSPECT = family("sdc_suspect").name
+_AMBIGUOUS = family("sdc_suspect_ambiguous").name
+_PAGER_FAILURES = family("sdc_pager_failures_total").name
 _LAST_RUN = family("sdc_check_last_run_timestamp_seconds").name
 _NONFINITE = family("sdc_grad_nonfinite_total").name
 _NORM = family("sdc_grad_norm").name
@@ -135,10 +146,16 @@ def checks_stalled_expr(matchers: str = "") -> str:
 
 # -- critical: hardware suspects ---------------------------------------------------------------------------------------
 
+def _latched(gauge: str, check: str) -> str:
+    return f"max by ({_BY}) (max_over_time({_sel(gauge, check=check)}[{EVENT_WINDOW}])) > 0"
+
+
 def _suspect_rule(check: str) -> AlertRule:
-    s = SUSPECTS[check]
-    expr = f"max by ({_BY}) (max_over_time({_sel(_SUSPECT, check=check)}[{EVENT_WINDOW}])) > 0"
-    return AlertRule(s.alert, "critical", expr, s.summary, s.description, labels={**s.labels, "check": check})
+    return suspect_rule(check, _latched(_SUSPECT, check))
+
+
+def _ambiguous_rule(check: str) -> AlertRule:
+    return ambiguous_suspect_rule(check, _latched(_AMBIGUOUS, check))
 
 
 # -- warnings ---------------------------------------------------------------------------------------------------------
@@ -174,6 +191,8 @@ _CLOSED_LAST_RULE = RecordingRule(
 
 RULES: tuple[AlertRule, ...] = (
     *(_suspect_rule(check) for check in SUSPECTS),
+    # Same alert names, severity warning, ambiguous="true": a suspect the evidence cannot pin down warns only.
+    *(_ambiguous_rule(check) for check in SUSPECTS),
     AlertRule(
         "SDCChecksStalled", "warning", checks_stalled_expr(), for_="5m",
         summary="SDC check {{ $labels.check }} stalled on " + WHO,
@@ -206,6 +225,15 @@ RULES: tuple[AlertRule, ...] = (
                     "last scrape said monitoring was still on (sdc_monitor_closed 0): the training process died, "
                     "hung or lost its exporter without close(). Its checks are invisible. A job that ended with "
                     "close() pages nobody.",
+    ),
+    AlertRule(
+        "SDCPagerFailing", "warning", f"max by ({_BY}) {_increased(_PAGER_FAILURES, EVENT_WINDOW)}",
+        summary="Direct pages from " + WHO + " to Alertmanager fail",
+        description="The monitor on " + WHO + " could not post a page straight to Alertmanager within the last "
+                    + EVENT_WINDOW + " (an HTTP error, a refused connection or a timeout on its alertmanager_url); "
+                    "it retries with backoff, but a job that stops may lose the page, and the rule's page then "
+                    "depends on Prometheus scraping the suspect in time. Check the URL, the network path from the "
+                    "training nodes and Alertmanager's health.",
     ),
     AlertRule(
         "GPUUncorrectableECCErrors", "warning",
@@ -243,8 +271,10 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
     RecordingRule("sdc:ranks:count", f"count by ({_HOST}) ({_STEPS})"),
     RecordingRule("sdc:ranks_closed:count", f"count by ({_HOST}) ({_CLOSED} == 1)"),
     RecordingRule("sdc:suspect_ranks:count", f"count by ({_HOST}, check) ({_SUSPECT} > 0)"),
+    RecordingRule("sdc:ambiguous_suspect_ranks:count", f"count by ({_HOST}, check) ({_AMBIGUOUS} > 0)"),
     RecordingRule("sdc:incidents:max", f"max by (service_name, check) ({_INCIDENTS})"),
     RecordingRule("sdc:internal_errors:sum", f"sum by ({_HOST}, component) ({_ERRORS})"),
+    RecordingRule("sdc:pager_failures:sum", f"sum by ({_HOST}) ({_PAGER_FAILURES})"),
     # A rank that never saw a NaN may not export the counter yet: its gradient norm stands in with 0.
     RecordingRule("sdc:grad_nonfinite:max",
                   f"max by ({_HOST}, phase) ({_NONFINITE})\nor\n0 * max by ({_HOST}, phase) ({_NORM})"),
@@ -278,22 +308,32 @@ def rules_document(runbook_base: str = RUNBOOK, rollup_interval: str | None = RO
 
 def alertmanager_config(pager_url: str = "http://webhook-sink:5001/pager",
                         ticket_url: str = "http://webhook-sink:5001/ticket", *,
-                        responder_url: str | None = RESPONDER_URL, fast: bool = False) -> dict[str, Any]:
-    """Alertmanager routing: group by job and host, critical -> ``pager``, warning -> ``ticket``; critical SDC
-    alerts also -> ``responder`` (``sdc-telemetry respond`` drains the node; None leaves it out).
+                        responder_url: str | None = RESPONDER_URL, responder_credentials_file: str | None = None,
+                        fast: bool = False) -> dict[str, Any]:
+    """Alertmanager routing: group by job and host, critical -> ``pager``, warning -> ``ticket``; this project's
+    critical SDC alerts (the suspect alert names, never ``ambiguous="true"``) also -> ``responder``
+    (``sdc-telemetry respond`` drains the node; None leaves it out), with the bearer token read from
+    ``responder_credentials_file`` (``http_config.authorization.credentials_file``; None sends none, for a bench
+    responder run with ``--insecure-no-auth``). The checked-in file uses ``RESPONDER_CREDENTIALS_FILE``.
 
     ``fast`` shortens the grouping waits (tests, demos) so that a page is sent within a second.
     """
     waits = {"group_wait": "1s", "group_interval": "1s", "repeat_interval": "1h"} if fast else \
         {"group_wait": "30s", "group_interval": "5m", "repeat_interval": "4h"}
     pager_waits = {"group_wait": "1s" if fast else "10s", "repeat_interval": "1h"}
-    sdc_critical = ['severity="critical"', f'alertname=~"{"|".join(SUSPECT_ALERTS.values())}"']
+    (ambiguous_label, ambiguous_value), = AMBIGUOUS_LABEL.items()
+    sdc_critical = ['severity="critical"', f'alertname=~"{"|".join(SUSPECT_ALERTS.values())}"',
+                    f'{ambiguous_label}!="{ambiguous_value}"']
     routes: list[dict[str, Any]] = []
     receivers: list[dict[str, Any]] = []
     if responder_url is not None:
+        webhook: dict[str, Any] = {"url": responder_url, "send_resolved": False}
+        if responder_credentials_file is not None:
+            webhook["http_config"] = {"authorization": {"type": "Bearer",
+                                                        "credentials_file": responder_credentials_file}}
         # continue: the pager still gets the alert after the responder.
         routes.append({"matchers": sdc_critical, "receiver": "responder", "continue": True, **pager_waits})
-        receivers.append({"name": "responder", "webhook_configs": [{"url": responder_url, "send_resolved": False}]})
+        receivers.append({"name": "responder", "webhook_configs": [webhook]})
     routes += [{"matchers": ['severity="critical"'], "receiver": "pager", **pager_waits},
                {"matchers": ['severity="warning"'], "receiver": "ticket"}]
     receivers += [{"name": "pager", "webhook_configs": [{"url": pager_url, "send_resolved": True}]},
@@ -368,7 +408,9 @@ def generate(out_dir: str | Path) -> list[Path]:
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    files = {RULES_FILE: rules_yaml(), ALERTMANAGER_FILE: _alertmanager_text(alertmanager_config())}
+    files = {RULES_FILE: rules_yaml(),
+             ALERTMANAGER_FILE: _alertmanager_text(alertmanager_config(
+                 responder_credentials_file=RESPONDER_CREDENTIALS_FILE))}
     paths = []
     for name, text in files.items():
         path = out / name

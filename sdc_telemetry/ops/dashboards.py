@@ -6,7 +6,8 @@ the two dashboards and provisioning survive regeneration, and the output is byte
 
 The overview reads the ``sdc:*`` recording rules of ``sdc_telemetry.ops.alerts`` (per host and per job) and per-rank
 series only for the suspects table and top-k panels, so that it stays fast at 16,384 ranks; the GPU dashboard is per
-GPU and filters by host and GPU first.
+GPU and filters by host and GPU first; its fleet panel lists the strikes of the GPU ledger
+(``sdc_fleet_gpu_strikes``, exported by the responder, not by the ranks).
 
 ``panel_queries(job=..., host=..., rank=...)`` lists every panel query with the dashboard variables substituted, so a
 test can run each against a real Prometheus.
@@ -62,6 +63,8 @@ _NORM = family("sdc_grad_norm").name
 _LOSS_DELTA = family("sdc_replay_loss_delta").name
 _GRAD_DELTA = family("sdc_replay_grad_delta").name
 _SUSPECT = family("sdc_suspect").name
+_AMBIGUOUS = family("sdc_suspect_ambiguous").name
+_STRIKES = family("sdc_fleet_gpu_strikes").name
 _TEMPERATURE = family("hw_temperature_celsius").name
 _POWER = family("hw_power_watts").name
 _ECC = family("hw_errors_total").name
@@ -85,6 +88,8 @@ _STEPS_R = _recorded("sdc:steps:rate5m")
 _RANKS_R = _recorded("sdc:ranks:count")
 _CLOSED_R = _recorded("sdc:ranks_closed:count")
 _SUSPECTS_R = _recorded("sdc:suspect_ranks:count")
+_AMBIGUOUS_R = _recorded("sdc:ambiguous_suspect_ranks:count")
+_PAGER_FAILURES_R = _recorded("sdc:pager_failures:sum")
 _INCIDENTS_R = _recorded("sdc:incidents:max")
 _ERRORS_R = _recorded("sdc:internal_errors:sum")
 _NONFINITE_R = _recorded("sdc:grad_nonfinite:max")
@@ -136,8 +141,10 @@ def _job_host() -> list[Template]:
             _variable("host", "Host", f"label_values({_STEPS}{{{JOB}}}, host_name)")]
 
 
-def _stat(title: str, expr: str, x: int, description: str, *, red_at: float = 1, unit: str = "none") -> Stat:
-    return Stat(title=title, description=description, dataSource=DS, targets=[_t(expr)], gridPos=_pos(x, 1, 4, 4),
+def _stat(title: str, expr: str, x: int, description: str, *, red_at: float = 1, unit: str = "none",
+          legend: str = "", more: tuple[Target, ...] = ()) -> Stat:
+    return Stat(title=title, description=description, dataSource=DS, targets=[_t(expr, legend), *more],
+                gridPos=_pos(x, 1, 4, 4),
                 reduceCalc="lastNotNull", graphMode="none", colorMode="background", format=unit,
                 thresholds=_green_red(red_at), noValue="0")
 
@@ -199,7 +206,10 @@ def _overview() -> Dashboard:
         _stat("Open incidents", f"sum({_INCIDENTS_R}{{{JOB}}}) or vector(0)", 0,
               "Incidents decided by the running job(s), all checks (every rank counts each one; max over ranks)."),
         _stat("Current suspects", f"sum({_SUSPECTS_R}{{{HOSTS}}}) or vector(0)", 4,
-              "Suspect ranks, counted once per check that named them (sdc_suspect latches until the process ends)."),
+              "Hardware suspect ranks, counted once per check that named them (sdc_suspect latches until the "
+              "process ends). 'ambiguous': ranks named by a verdict that cannot tell which side is faulty "
+              "(sdc_suspect_ambiguous; warned, never paged).", legend="suspects",
+              more=(_t(f"sum({_AMBIGUOUS_R}{{{HOSTS}}}) or vector(0)", "ambiguous", "B"),)),
         _stat("Checks stalled", f"sum({_STALLED_R}{{{HOSTS}}}) or vector(0)", 8,
               "Rank x check pairs whose last run is too old while steps advance (the SDCChecksStalled condition)."),
         Stat(title="Ranks reporting", dataSource=DS, gridPos=_pos(12, 1, 4, 4), reduceCalc="lastNotNull",
@@ -211,7 +221,9 @@ def _overview() -> Dashboard:
         _stat("Steps / s", f"sum({_STEPS_R}{{{HOSTS}}}) / sum({_RANKS_R}{{{HOSTS}}}) or vector(0)", 16,
               "Optimizer steps per second, averaged over ranks.", red_at=1e9),
         _stat("Monitor errors", f"sum({_ERRORS_R}{{{HOSTS}}}) or vector(0)", 20,
-              "Contained failures of the monitor (exporter, NVML, replay...): the checks may be blind."),
+              "Contained failures of the monitor (exporter, NVML, replay...): the checks may be blind. 'pager': "
+              "failed direct pushes of a page to Alertmanager (retried; SDCPagerFailing warns).", legend="errors",
+              more=(_t(f"sum({_PAGER_FAILURES_R}{{{HOSTS}}}) or vector(0)", "pager", "B"),)),
         suspects,
         _row("Coverage and verdicts (rolled up per host)", 11),
         _series("Check coverage (ran / due)",
@@ -350,16 +362,35 @@ def _gpu() -> Dashboard:
     verdicts = _series(
         "SDC verdicts next to GPU errors",
         [_t(f"max by (host_name, hw_id, check) ({_SUSPECT}{{{JOB}, {GPUS}}})", "suspect {{check}} {{hw_id}}", "A"),
+         _t(f"max by (host_name, hw_id, check) ({_AMBIGUOUS}{{{JOB}, {GPUS}}})", "ambiguous {{check}} {{hw_id}}",
+            "D"),
          _t(f'sum by (host_name, hw_id) ({_ECC}{{{GPUS}, hw_type="gpu", error_type="uncorrected"}})\n'
             f"and on (host_name, hw_id)\ngroup by (host_name, hw_id) ({_STEPS}{{{JOB}}})",
             "uncorrected ECC {{hw_id}}", "B"),
          _t(f"sum by (host_name, hw_id) ({_XID}{{{GPUS}}})\nand on (host_name, hw_id)\n"
             f"group by (host_name, hw_id) ({_STEPS}{{{JOB}}})", "XIDs {{hw_id}}", "C")],
-        _pos(0, 7, 24, 7), "sdc_suspect of the ranks on the selected GPUs against their uncorrected ECC and XID "
-        "counters: a verdict that coincides with hardware errors points at the hardware.")
-    panels: list[Any] = [suspects, health, verdicts]
+        _pos(0, 7, 24, 7), "sdc_suspect of the ranks on the selected GPUs (and sdc_suspect_ambiguous, a verdict "
+        "that could not tell which side is faulty) against their uncorrected ECC and XID counters: a verdict that "
+        "coincides with hardware errors points at the hardware.")
+    fleet = Table(
+        title="Fleet: GPU strikes in the ledger", dataSource=DS, gridPos=_pos(0, 14, 24, 7),
+        description="Strikes per GPU in the responder's ledger (sdc_fleet_gpu_strikes, from the responder's "
+                    "/metrics): every page the responder acted on is a strike for its GPU, and a second strike within "
+                    "the strike window runs the replace command. Passing a screen does not clear strikes; "
+                    "`sdc-telemetry fleet` prints the same list. The Host and GPU variables narrow it (All: the "
+                    "whole fleet).",
+        targets=[_t(f"sort_desc(max by (hw_id, host_name) ({_STRIKES}{{{GPUS}}}))", table=True)],
+        overrides=[*_table_overrides({"hw_id": "GPU UUID", "host_name": "Host", "Value": "Strikes"}),
+                   # One strike: watch it; a second within the window: replace it.
+                   {"matcher": {"id": "byName", "options": "Value"},
+                    "properties": [{"id": "custom.cellOptions", "value": {"type": "color-background"}},
+                                   {"id": "thresholds", "value": {"mode": "absolute", "steps": [
+                                       {"color": "transparent", "value": None}, {"color": "orange", "value": 1},
+                                       {"color": "red", "value": 2}]}}]}],
+    )
+    panels: list[Any] = [suspects, health, verdicts, fleet]
     for i, f in enumerate(GPU):
-        panels.append(_gpu_panel(f, 8 * (i % 3), 14 + 7 * (i // 3)))
+        panels.append(_gpu_panel(f, 8 * (i % 3), 21 + 7 * (i // 3)))
     templating = [*_job_host(),
                   _variable("gpu", "GPU (hw_id)", f'label_values({_STEPS}{{{JOB}, host_name=~"$host"}}, hw_id)')]
     return Dashboard(

@@ -12,13 +12,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["AlertRule", "RANK_LABELS", "RUNBOOK", "SUSPECTS", "SUSPECT_ALERTS", "render_template", "runbook_anchor",
-           "suspect_alert", "WHO"]
+__all__ = ["AlertRule", "AMBIGUOUS_ANCHOR", "AMBIGUOUS_LABEL", "RANK_LABELS", "RUNBOOK", "SUSPECTS", "SUSPECT_ALERTS",
+           "ambiguous_suspect_rule", "render_template", "runbook_anchor", "suspect_alert", "suspect_rule", "WHO"]
 
 RUNBOOK = "docs/runbook.md"
 # Labels an alert about one rank carries (the metrics' identity labels, less the per-process instance id).
 RANK_LABELS = ("service_name", "host_name", "rank", "local_rank", "hw_id")
 WHO = "rank {{ $labels.rank }} on host {{ $labels.host_name }} (GPU {{ $labels.hw_id }})"
+# The label an ambiguous suspect's alert carries (with severity="warning"): the responder never acts on it.
+AMBIGUOUS_LABEL = {"ambiguous": "true"}
+# The runbook section every ambiguous suspect's alert links to.
+AMBIGUOUS_ANCHOR = "ambiguous-sdc-verdicts"
+
+
 def runbook_anchor(alert: str) -> str:
     """The runbook heading anchor of ``alert`` (GitHub slug of a ``## <AlertName>`` heading)."""
     return alert.lower()
@@ -33,6 +39,7 @@ class AlertRule:
     description: str
     for_: str = "0s"
     labels: Mapping[str, str] = field(default_factory=dict)
+    anchor: str | None = None  # the runbook anchor when it is not the alert's own section
 
     def rule_labels(self) -> dict[str, str]:
         """The labels the rule adds to every alert it fires (severity first)."""
@@ -41,7 +48,7 @@ class AlertRule:
     def annotations(self, runbook_base: str = RUNBOOK) -> dict[str, str]:
         """The annotation templates (``{{ $labels.x }}`` still in them)."""
         return {"summary": self.summary, "description": self.description,
-                "runbook_url": f"{runbook_base}#{runbook_anchor(self.name)}"}
+                "runbook_url": f"{runbook_base}#{self.anchor or runbook_anchor(self.name)}"}
 
     def to_rule(self, runbook_base: str = RUNBOOK) -> dict[str, Any]:
         rule: dict[str, Any] = {"alert": self.name, "expr": self.expr}
@@ -98,6 +105,29 @@ SUSPECTS: dict[str, _Suspect] = {
 # check -> alert name of the critical alert that pages its suspects.
 SUSPECT_ALERTS: dict[str, str] = {check: s.alert for check, s in SUSPECTS.items()}
 
+_AMBIGUOUS_SUMMARY = "SDC, ambiguous (not paged): {what}"
+_AMBIGUOUS_DESCRIPTION = (
+    "The {check} check named " + WHO + ", but the evidence cannot tell which side is faulty: two replicas "
+    "without a referee, a single process naming itself, or a vote without a majority. Not paged, and the responder "
+    "does not drain on it. Look at the incident's evidence and the GPU health dashboard, add a replica or a referee "
+    "to the audits, and treat a repeat on the same GPU as a hardware suspect.")
+# The unambiguous summaries without their "SDC: " prefix.
+_WHAT = {check: s.summary.removeprefix("SDC: ") for check, s in SUSPECTS.items()}
+
+
+def suspect_rule(check: str, expr: str = "") -> AlertRule:
+    """The critical rule that pages an unambiguous hardware suspect of ``check`` (``expr``: its PromQL)."""
+    s = SUSPECTS[check]
+    return AlertRule(s.alert, "critical", expr, s.summary, s.description, labels={**s.labels, "check": check})
+
+
+def ambiguous_suspect_rule(check: str, expr: str = "") -> AlertRule:
+    """The warning rule, with the same alert name and ``ambiguous="true"``, for a suspect of an ambiguous verdict."""
+    s = SUSPECTS[check]
+    return AlertRule(s.alert, "warning", expr, _AMBIGUOUS_SUMMARY.format(what=_WHAT[check]),
+                     _AMBIGUOUS_DESCRIPTION.format(check=check),
+                     labels={**s.labels, "check": check, **AMBIGUOUS_LABEL}, anchor=AMBIGUOUS_ANCHOR)
+
 
 _TEMPLATE = re.compile(r"\{\{ \$(labels\.(\w+)|value)( \| humanizeDuration)? \}\}")
 
@@ -110,9 +140,11 @@ def render_template(template: str, labels: Mapping[str, str], value: str = "") -
     return _TEMPLATE.sub(sub, template)
 
 
-def suspect_alert(check: str, identity_labels: Mapping[str, object], service_name: str, *,
+def suspect_alert(check: str, identity_labels: Mapping[str, object], service_name: str, *, ambiguous: bool = False,
                   runbook_base: str = RUNBOOK) -> dict[str, dict[str, str]]:
-    """The labels and annotations of the critical alert the rules fire for a suspect rank of ``check``.
+    """The labels and annotations of the critical alert the rules fire for a suspect rank of ``check``; with
+    ``ambiguous``, of the warning they fire for a suspect of an ambiguous verdict (same alert name,
+    ``severity="warning"``, ``ambiguous="true"``).
 
     ``identity_labels`` holds the rank's ``host_name``, ``rank``, ``local_rank`` and ``hw_id`` (other keys are
     ignored). Alertmanager identifies an alert by its labels, so an alert posted with these
@@ -130,8 +162,7 @@ def suspect_alert(check: str, identity_labels: Mapping[str, object], service_nam
         raise ValueError(f"identity_labels lacks {missing} (has {sorted(identity_labels)})")
     if not service_name:
         raise ValueError("service_name must be a non-empty string (the job name the metrics carry)")
-    s = SUSPECTS[check]
-    rule = AlertRule(s.alert, "critical", "", s.summary, s.description, labels={**s.labels, "check": check})
+    rule = ambiguous_suspect_rule(check) if ambiguous else suspect_rule(check)
     ident = {"service_name": service_name, **{k: str(identity_labels[k]) for k in RANK_LABELS[1:]}}
     labels = {"alertname": rule.name, **rule.rule_labels(), **ident}
     annotations = {k: render_template(v, labels) for k, v in rule.annotations(runbook_base).items()}

@@ -3,6 +3,8 @@ spells a family name.
 
 ``name`` is the Prometheus name as scraped. Every SDC family also carries the identity labels
 ``IDENTITY_LABELS`` (copied from the OpenTelemetry resource), and every GPU family carries ``host_name`` and ``hw_id``.
+``FLEET`` families are not exported by training ranks: the responder (``sdc-telemetry respond``) serves them on its
+own ``/metrics``, with their own labels only (no per-rank identity).
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Family", "FAMILIES", "SDC", "GPU", "IDENTITY_LABELS", "family", "CHECK_DURATION_BUCKETS", "UNIT_SUFFIX"]
+__all__ = ["Family", "FAMILIES", "SDC", "GPU", "FLEET", "IDENTITY_LABELS", "family", "CHECK_DURATION_BUCKETS",
+           "UNIT_SUFFIX"]
 
 Kind = Literal["counter", "gauge", "histogram"]
 
@@ -33,7 +36,7 @@ class Family:
     unit: str            # UCUM unit of the OpenTelemetry instrument ("1" for dimensionless, "s", "W", "Cel", "By")
     description: str
     labels: tuple[str, ...] = ()
-    source: Literal["sdc", "gpu"] = "sdc"
+    source: Literal["sdc", "gpu", "fleet"] = "sdc"
 
     @property
     def otel_name(self) -> str:
@@ -77,12 +80,19 @@ SDC: tuple[Family, ...] = (
            "1 when this rank's weight fingerprints agree with the replicas' majority, else 0."),
     Family("sdc_weight_fingerprint_mismatches_total", "counter", "1",
            "Weight checks in which this rank disagreed with the majority."),
-    Family("sdc_suspect", "gauge", "1", "1 once this rank has been named a suspect by a check (latched).",
-           ("check",)),
+    Family("sdc_suspect", "gauge", "1",
+           "1 once this rank has been named an unambiguous hardware suspect by a check (latched).", ("check",)),
+    Family("sdc_suspect_ambiguous", "gauge", "1",
+           "1 once this rank has been named a suspect by an ambiguous verdict of a check (two replicas and no "
+           "referee, a single process, a vote without a majority): warned, never paged (latched).", ("check",)),
     Family("sdc_incidents_total", "counter", "1", "Incidents decided, by check (counted on every rank).",
            ("check",)),
     Family("sdc_internal_errors_total", "counter", "1", "Contained failures of the monitor, by component.",
            ("component",)),
+    Family("sdc_pager_failures_total", "counter", "1",
+           "Failed pushes of this rank's direct page to Alertmanager (an HTTP error, a refused connection, a "
+           "timeout, a page still pending at close); a failed push is retried with backoff until accepted "
+           "(bounded)."),
     Family("sdc_monitor_closed", "gauge", "1",
            "0 while the monitor runs, 1 once close() ran: an endpoint that vanishes with 0 died, "
            "with 1 ended cleanly."),
@@ -106,7 +116,14 @@ GPU: tuple[Family, ...] = (
            ("reason",), "gpu"),
 )
 
-FAMILIES: tuple[Family, ...] = SDC + GPU
+# Exported by the responder, not by training ranks (labels: these only, no rank identity).
+FLEET: tuple[Family, ...] = (
+    Family("sdc_fleet_gpu_strikes", "gauge", "1",
+           "Strikes of each GPU in the responder's ledger (acted SDC pages within the strike window).",
+           ("hw_id", "host_name"), "fleet"),
+)
+
+FAMILIES: tuple[Family, ...] = SDC + GPU + FLEET
 _BY_NAME = {f.name: f for f in FAMILIES}
 
 

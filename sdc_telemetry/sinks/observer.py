@@ -43,6 +43,8 @@ class StepReport:
     - ``weights_agree``: whether this rank's weights agree with the replicas' majority, when the weight check ran.
     - ``incidents``: incidents opened at this point (an episode's repeats are not reported again).
     - ``suspect_checks``: checks for which this rank is a hardware suspect in one of ``incidents``.
+    - ``ambiguous_checks``: those of ``suspect_checks`` whose incident is ambiguous (``evidence["ambiguous"] is
+      True``): latched in ``sdc_suspect_ambiguous`` instead of ``sdc_suspect``, warned and never paged.
     - ``errors``: components with a contained failure at this point (``sdc_internal_errors_total``).
     """
 
@@ -55,6 +57,7 @@ class StepReport:
     weights_agree: bool | None = None
     incidents: tuple[Incident, ...] = ()
     suspect_checks: tuple[str, ...] = ()
+    ambiguous_checks: tuple[str, ...] = ()
     errors: tuple[str, ...] = ()
 
 

@@ -1,4 +1,5 @@
-"""Push a suspect's page straight to Alertmanager's v2 API, without waiting for a scrape.
+"""Push a suspect's page straight to Alertmanager's v2 API, without waiting for a scrape, and keep pushing it until
+Alertmanager accepts it.
 
 The metrics path pages through Prometheus: a scrape, a rule evaluation, then Alertmanager. A job that stops on
 ``SDCDetected`` may exit before that last scrape; the monitor therefore also posts the incident itself::
@@ -9,27 +10,40 @@ The metrics path pages through Prometheus: a scrape, a rule evaluation, then Ale
 
 Each alert has the alert name, labels and annotations of the Prometheus rule for the same check and rank
 (``sdc_telemetry.sinks.alert_table.suspect_alert``), so Alertmanager treats the pushed alert and the rule's alert as
-one and pages once. ``endsAt`` is ``ttl_s`` ahead: a pushed alert nobody refreshes resolves by itself.
+one and pages once. An incident whose evidence says ``ambiguous`` is pushed as the rule's ambiguous alert: the same
+alert name with ``severity="warning"`` and ``ambiguous="true"``, never critical. ``endsAt`` is ``ttl_s`` after the
+post that delivered it: a pushed alert nobody refreshes resolves by itself.
 
-Telemetry never breaks training: ``page()`` and ``close()`` never raise and never block on the network. A failure
-calls ``on_error`` (the monitor counts it in ``sdc_internal_errors_total{component="alertmanager"}``) and is logged
-at warning level once, at debug level afterwards. Standard library only.
+Delivery: a post that fails (an HTTP error status, a refused connection, a timeout) is retried from the background
+thread with exponential backoff (``retry_initial_s`` doubling up to ``retry_max_s``) until Alertmanager answers 2xx,
+for at most ``retry_for_s`` seconds and ``max_attempts`` attempts per page, after which the page is given up with an
+error in the log (the rule still pages once Prometheus scrapes the suspect). Pages are posted in order. ``close()``
+wakes a waiting retry at once and keeps retrying briefly (every ``retry_initial_s``) until its timeout, so a stop
+path stays prompt.
+
+Telemetry never breaks training: ``page()`` and ``close()`` never raise and never block on the network. Each failure
+(each failed attempt, and a page still pending when ``close()`` gives up) calls ``on_error``; the monitor counts it in
+``sdc_internal_errors_total{component="alertmanager"}`` and ``sdc_pager_failures_total``, which ``SDCPagerFailing``
+alerts on. The first failure is logged at warning level, later ones at debug level, a page given up at error level.
+Standard library only.
 """
 
 from __future__ import annotations
 
+import collections
 import datetime as _dt
 import json
 import logging
-import queue
+import math
 import threading
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+from sdc_telemetry.core.config import http_url_problem
 from sdc_telemetry.core.incident import Incident
 from sdc_telemetry.sinks.alert_table import suspect_alert
 
@@ -37,46 +51,78 @@ __all__ = ["AlertmanagerPusher"]
 
 log = logging.getLogger("sdc_telemetry")
 
-_STOP = None
-
 
 def _rfc3339(t: float) -> str:
     return _dt.datetime.fromtimestamp(t, tz=_dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00",
                                                                                                          "Z")
 
 
+@dataclass
+class _Page:
+    """One incident's alerts, waiting to be accepted."""
+
+    alerts: list[dict[str, Any]]
+    step: int
+    starts_at: str
+    attempts: int = 0
+    first_failure: float | None = None  # monotonic time of the first failed attempt
+    next_try: float = field(default=0.0)  # monotonic time of the next attempt
+
+
 class AlertmanagerPusher:
-    """Posts one alert per suspect of an incident to ``<url>/api/v2/alerts`` from a background thread.
+    """Posts one alert per suspect of an incident to ``<url>/api/v2/alerts`` from a background thread, retrying a
+    failed post with backoff until Alertmanager accepts it (bounded).
 
     ``url``: the Alertmanager base URL (``http://host:9093``, a path prefix is kept). ``job_name``: the
     ``service_name`` the job's metrics carry. ``timeout_s``: per HTTP request. ``on_error``: called (without
     arguments) for each failed push. ``ttl_s``: how long Alertmanager keeps a pushed alert firing unless refreshed.
+    ``retry_initial_s`` / ``retry_max_s``: the first wait after a failure and the cap of the doubling waits.
+    ``retry_for_s`` / ``max_attempts``: a page is given up when its first failure is this old, or after this many
+    attempts, whichever comes first (defaults: 10 minutes, 40 attempts).
 
     >>> pusher = AlertmanagerPusher("http://127.0.0.1:9093", job_name="llm")
     >>> pusher.close()
     """
 
     def __init__(self, url: str, job_name: str, *, timeout_s: float = 2.0,
-                 on_error: Callable[[], None] | None = None, ttl_s: float = 1800.0) -> None:
-        parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
-        if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(f"url must be an http(s) URL of an Alertmanager (http://host:9093), got {url!r}")
+                 on_error: Callable[[], None] | None = None, ttl_s: float = 1800.0,
+                 retry_initial_s: float = 0.25, retry_max_s: float = 30.0, retry_for_s: float = 600.0,
+                 max_attempts: int = 40) -> None:
+        problem = http_url_problem(url)
+        if problem is not None:
+            raise ValueError(f"url must be an http(s) URL of an Alertmanager (http://host:9093): {problem}, "
+                             f"got {url!r}")
         if not isinstance(job_name, str) or not job_name:
             raise ValueError(f"job_name must be a non-empty string, got {job_name!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        if not ttl_s > 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
+        for name, value in (("timeout_s", timeout_s), ("ttl_s", ttl_s), ("retry_initial_s", retry_initial_s),
+                            ("retry_max_s", retry_max_s), ("retry_for_s", retry_for_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value)
+                                                                                    and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if retry_max_s < retry_initial_s:
+            raise ValueError(f"retry_max_s ({retry_max_s!r}) must be >= retry_initial_s ({retry_initial_s!r})")
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+            raise ValueError(f"max_attempts must be an int >= 1, got {max_attempts!r}")
         self.endpoint = url.rstrip("/") + "/api/v2/alerts"
         self.job_name = job_name
         self.timeout_s = float(timeout_s)
         self.ttl_s = float(ttl_s)
+        self.retry_initial_s = float(retry_initial_s)
+        self.retry_max_s = float(retry_max_s)
+        self.retry_for_s = float(retry_for_s)
+        self.max_attempts = max_attempts
         self._on_error = on_error
-        self._queue: queue.SimpleQueue[list[dict[str, Any]] | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._pending: collections.deque[_Page] = collections.deque()
         self._thread: threading.Thread | None = None
-        self._closed = False
+        self._closed = False       # close() was called: no new pages
+        self._deadline: float | None = None  # monotonic time close() stops waiting for the thread
+        self._abandoned = False    # close() gave up: the thread stops after its current attempt
         self._warned = False
+        self._last_try = 0.0       # monotonic time of the last attempt
+        self.delivered = 0         # pages accepted by Alertmanager
+        self.failures = 0          # failed attempts (each also reported through on_error)
+        self.given_up = 0          # pages dropped after their retries or at close
 
     def page(self, incident: Incident) -> None:
         """Queue one alert per suspect of ``incident`` (nothing for an incident without suspects). Never blocks,
@@ -84,14 +130,13 @@ class AlertmanagerPusher:
         try:
             if not incident.suspects:
                 return
-            now = time.time()
-            body = []
-            for s in incident.suspects:
-                alert: dict[str, Any] = suspect_alert(incident.check, {"host_name": s.host_name, "rank": s.rank,
-                                                                       "local_rank": s.local_rank, "hw_id": s.hw_id},
-                                                      self.job_name)
-                body.append({**alert, "startsAt": _rfc3339(now), "endsAt": _rfc3339(now + self.ttl_s)})
-            with self._lock:
+            ambiguous = incident.evidence.get("ambiguous") is True
+            alerts = [suspect_alert(incident.check, {"host_name": s.host_name, "rank": s.rank,
+                                                     "local_rank": s.local_rank, "hw_id": s.hw_id},
+                                    self.job_name, ambiguous=ambiguous)
+                      for s in incident.suspects]
+            page = _Page(alerts, incident.step, _rfc3339(time.time()))
+            with self._cond:
                 if self._closed:
                     log.debug("sdc_telemetry: Alertmanager pusher closed; incident at step %s not pushed",
                               incident.step)
@@ -99,34 +144,111 @@ class AlertmanagerPusher:
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._run, name="sdc-alertmanager-push", daemon=True)
                     self._thread.start()
-                self._queue.put(body)
+                self._pending.append(page)
+                self._cond.notify_all()
         except Exception as e:  # noqa: BLE001 - telemetry never raises into training
             self._failed(f"could not build the alert for incident {getattr(incident, 'check', '?')}: {e!r}")
 
+    @property
+    def pending(self) -> int:
+        """Pages queued or being retried."""
+        with self._cond:
+            return len(self._pending)
+
     def close(self, timeout_s: float = 2.0) -> None:
-        """Post what is pending, waiting at most ``timeout_s``; later pages are dropped. A second call is
-        harmless."""
-        with self._lock:
+        """Post what is pending, retrying for at most ``timeout_s``; what is still pending then is dropped (and
+        reported through ``on_error``); later pages are dropped. A second call is harmless."""
+        with self._cond:
             if self._closed:
                 return
             self._closed = True
+            self._deadline = time.monotonic() + max(0.0, timeout_s)
             thread = self._thread
-            self._queue.put(_STOP)
-        if thread is not None:
-            thread.join(max(0.0, timeout_s))
-            if thread.is_alive():
-                self._failed(f"a push to {self.endpoint} was still pending after {timeout_s:g}s at close(); "
-                             "dropped")
+            self._cond.notify_all()  # a retry waiting out its backoff tries again now
+        if thread is None:
+            return
+        thread.join(max(0.0, timeout_s))
+        with self._cond:
+            self._abandoned = True
+            dropped = len(self._pending)
+            self._pending.clear()
+            self._cond.notify_all()
+        if dropped:
+            self.given_up += dropped
+            self._failed(f"{dropped} page(s) to {self.endpoint} still pending after {timeout_s:g}s at close(); "
+                         "dropped")
+
+    # -- the background thread -----------------------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
-            body = self._queue.get()
-            if body is _STOP:
-                return
-            try:
-                self._post(body)
-            except Exception as e:  # noqa: BLE001 - a failed page is counted and logged, never raised
-                self._failed(f"push of {len(body)} alert(s) to {self.endpoint} failed: {e!r}")
+            with self._cond:
+                page = self._next_due()
+                if page is None:
+                    return
+            ok, error = self._attempt(page)
+            with self._cond:
+                if self._abandoned:
+                    return
+                if ok:
+                    self._pending.popleft()
+                    self.delivered += 1
+                    if page.attempts > 1:
+                        log.warning("sdc_telemetry: page of the incident at step %d accepted by %s after %d "
+                                    "attempts", page.step, self.endpoint, page.attempts)
+                    continue
+                now = time.monotonic()
+                if page.first_failure is None:
+                    page.first_failure = now
+                self.failures += 1
+                give_up = page.attempts >= self.max_attempts or now - page.first_failure >= self.retry_for_s
+                if give_up:
+                    self._pending.popleft()
+                    self.given_up += 1
+                else:
+                    page.next_try = now + min(self.retry_max_s, self.retry_initial_s * 2 ** (page.attempts - 1))
+            self._failed(f"push of {len(page.alerts)} alert(s) to {self.endpoint} failed (attempt "
+                         f"{page.attempts}): {error}")
+            if give_up:
+                log.error("sdc_telemetry: gave up the page of the incident at step %d after %d attempts over %.0fs; "
+                          "the rule pages once Prometheus scrapes the suspect", page.step, page.attempts,
+                          time.monotonic() - (page.first_failure or now))
+
+    def _next_due(self) -> _Page | None:
+        """Wait (lock held) until the head page is due; None when the thread should stop."""
+        while True:
+            if self._abandoned:
+                return None
+            if not self._pending:
+                if self._closed:
+                    return None
+                self._cond.wait()
+                continue
+            page = self._pending[0]
+            now = time.monotonic()
+            due = page.next_try
+            if self._closed and self._deadline is not None:
+                if now >= self._deadline:
+                    return None  # close() drops what is left
+                # Closing: no long backoff, a retry every retry_initial_s until close()'s deadline.
+                due = min(due, self._last_try + self.retry_initial_s)
+            if now >= due:
+                return page
+            wait = due - now
+            if self._deadline is not None:
+                wait = min(wait, max(0.0, self._deadline - now))
+            self._cond.wait(wait)
+
+    def _attempt(self, page: _Page) -> tuple[bool, str]:
+        page.attempts += 1
+        self._last_try = time.monotonic()
+        now = time.time()
+        body = [{**a, "startsAt": page.starts_at, "endsAt": _rfc3339(now + self.ttl_s)} for a in page.alerts]
+        try:
+            self._post(body)
+        except Exception as e:  # noqa: BLE001 - a failed page is counted, logged and retried, never raised
+            return False, str(e) if isinstance(e, RuntimeError) else repr(e)
+        return True, ""
 
     def _post(self, body: list[dict[str, Any]]) -> None:
         req = urllib.request.Request(self.endpoint, data=json.dumps(body).encode(), method="POST",  # noqa: S310
@@ -141,7 +263,8 @@ class AlertmanagerPusher:
     def _failed(self, message: str) -> None:
         if not self._warned:
             self._warned = True
-            log.warning("sdc_telemetry: %s (later failures are logged at debug level)", message)
+            log.warning("sdc_telemetry: %s (retried with backoff; later failures are logged at debug level)",
+                        message)
         else:
             log.debug("sdc_telemetry: %s", message)
         if self._on_error is not None:
@@ -149,4 +272,3 @@ class AlertmanagerPusher:
                 self._on_error()
             except Exception:  # the error counter must not break the pusher either
                 log.debug("sdc_telemetry: on_error callback failed", exc_info=True)
-

@@ -10,6 +10,11 @@ counted in ``sdc_internal_errors_total``::
     telemetry.report(StepReport(step=0, results={"grad_local": "pass"}))   # steps += 1, checks{pass} += 1
     telemetry.close()        # sdc_monitor_closed = 1, one last scrape if Prometheus watches, then stop
 
+Pages: ``sdc_suspect{check}`` latches for an unambiguous hardware suspect only; a suspect of an ambiguous verdict
+(``StepReport.ambiguous_checks``) latches ``sdc_suspect_ambiguous{check}`` instead, which the rules turn into a
+warning. A failure of the direct push to Alertmanager (``internal_error("alertmanager")``, what the pager's
+``on_error`` reports) is counted in ``sdc_pager_failures_total`` as well as in ``sdc_internal_errors_total``.
+
 Every series carries the identity labels (``service_name``, ``service_instance_id``, ``host_name``, ``rank``,
 ``local_rank``, ``hw_id``): the exporter copies them from the resource, or, with a caller's ``meter_provider``,
 they are recorded on each point.
@@ -49,7 +54,7 @@ from sdc_telemetry.sinks.gpu import GPUCollector
 from sdc_telemetry.sinks.metrics import CHECK_DURATION_BUCKETS, SDC, Family, family
 from sdc_telemetry.sinks.observer import RESULTS, Observer, StepReport
 
-__all__ = ["Telemetry", "resource_attributes", "NONFINITE", "PHASES"]
+__all__ = ["Telemetry", "resource_attributes", "NONFINITE", "PHASES", "PAGER_COMPONENT"]
 
 log = logging.getLogger("sdc_telemetry")
 
@@ -60,6 +65,8 @@ _RESOURCE_LABELS = {"service.name": "service_name", "service.instance.id": "serv
 NONFINITE = sys.float_info.max  # what a NaN/Inf gauge value is recorded as (the SDK refuses non-finite values)
 PHASES = ("local", "reduced")   # gradient phases: before and after the all-reduce
 _RAN = ("pass", "fail")         # results of a check that actually ran (error and skipped did not)
+# The internal-error component of the direct push to Alertmanager: each of its failures is a pager failure too.
+PAGER_COMPONENT = "alertmanager"
 
 
 def resource_attributes(config: SDCConfig, identity: RankIdentity) -> dict[str, str | int]:
@@ -157,8 +164,10 @@ class Telemetry(Observer):
             self.internal_error("telemetry")
 
     def internal_error(self, component: str) -> None:
+        """Count a contained failure of ``component``; a failure of the direct push (``PAGER_COMPONENT``) also
+        counts in ``sdc_pager_failures_total``. Never raises."""
         try:
-            self._i["sdc_internal_errors_total"].add(1, self._a(component=component))
+            self._count_error(component)
         except Exception:  # counting an error must not become one
             log.debug("sdc_telemetry: counting an internal error of %s failed", component, exc_info=True)
 
@@ -228,15 +237,28 @@ class Telemetry(Observer):
                 i["sdc_weight_fingerprint_mismatches_total"].add(1, self._attrs)
         for incident in r.incidents:  # numerics events too: they are incidents, only never a suspect
             i["sdc_incidents_total"].add(1, self._a(check=incident.check))
-        for check in r.suspect_checks:  # latched: nothing ever sets it back to 0
-            i["sdc_suspect"].set(1, self._a(check=check))
+        # Latched: nothing ever sets them back to 0. An ambiguous verdict warns and never pages, so its suspect is
+        # latched apart from the hardware suspects the critical alerts read.
+        # The incidents' own evidence counts too, so that an ambiguous verdict never reaches sdc_suspect.
+        ambiguous = {*r.ambiguous_checks, *(inc.check for inc in r.incidents if self.identity.rank in inc.suspect_ranks
+                                            and inc.evidence.get("ambiguous") is True)}
+        for check in r.suspect_checks:
+            if check not in ambiguous:
+                i["sdc_suspect"].set(1, self._a(check=check))
+        for check in sorted(ambiguous):
+            i["sdc_suspect_ambiguous"].set(1, self._a(check=check))
         for component in r.errors:
-            i["sdc_internal_errors_total"].add(1, self._a(component=component))
+            self._count_error(component)
 
     # -- plumbing ------------------------------------------------------------------------------------------------
 
     def _a(self, **labels: str) -> dict[str, str]:
         return {**self._attrs, **labels}
+
+    def _count_error(self, component: str) -> None:
+        self._i["sdc_internal_errors_total"].add(1, self._a(component=component))
+        if component == PAGER_COMPONENT:
+            self._i["sdc_pager_failures_total"].add(1, self._attrs)
 
     def _otlp_failed(self) -> None:
         if self._i:  # the reader's thread may fail before the instruments exist
@@ -246,11 +268,15 @@ class Telemetry(Observer):
         """Create the series alerts and dashboards rely on at 0, so the first event is a visible increase."""
         self._i["sdc_steps_total"].add(0, self._attrs)
         self._i["sdc_monitor_closed"].set(0, self._attrs)
-        for component in ("exporter", "nvml", "telemetry", *(("otlp",) if config.otlp_endpoint else ())):
+        pager = (PAGER_COMPONENT,) if config.alertmanager_url else ()
+        for component in ("exporter", "nvml", "telemetry", *(("otlp",) if config.otlp_endpoint else ()), *pager):
             self._i["sdc_internal_errors_total"].add(0, self._a(component=component))
+        if pager:
+            self._i["sdc_pager_failures_total"].add(0, self._attrs)
         for check in CHECKS:
             self._i["sdc_incidents_total"].add(0, self._a(check=check))
             self._i["sdc_suspect"].set(0, self._a(check=check))
+            self._i["sdc_suspect_ambiguous"].set(0, self._a(check=check))
         if config.grad_checks:
             for phase in PHASES:
                 self._i["sdc_grad_nonfinite_total"].add(0, self._a(phase=phase))
@@ -360,7 +386,7 @@ def _validate(r: StepReport) -> None:
     for check, result in r.results.items():
         if result not in RESULTS:
             raise ValueError(f"StepReport.results[{check!r}] is {result!r}, not one of {'|'.join(RESULTS)}")
-    checks = [*r.results, *r.durations, *r.suspect_checks, *(inc.check for inc in r.incidents)]
+    checks = [*r.results, *r.durations, *r.suspect_checks, *r.ambiguous_checks, *(inc.check for inc in r.incidents)]
     unknown = sorted({c for c in checks if c not in CHECKS})
     if unknown:
         raise ValueError(f"StepReport names unknown check(s) {unknown}; known: {', '.join(CHECKS)}")

@@ -24,6 +24,8 @@ JOB = "llm"
 STEPS = family("sdc_steps_total").name
 CHECKS = family("sdc_checks_total").name
 SUSPECT = family("sdc_suspect").name
+AMBIGUOUS = family("sdc_suspect_ambiguous").name
+PAGER_FAILURES = family("sdc_pager_failures_total").name
 LAST_RUN = family("sdc_check_last_run_timestamp_seconds").name
 NONFINITE = family("sdc_grad_nonfinite_total").name
 NORM = family("sdc_grad_norm").name
@@ -71,9 +73,10 @@ def expect(name: str, labels: Mapping[str, str], value: str = "") -> dict[str, A
                                 for k, v in rule.annotations().items()}}
 
 
-def expect_suspect(check: str, rank: int) -> dict[str, Any]:
-    """The critical alert for a suspect rank, exactly as the direct push builds it."""
-    pushed = alerts.suspect_alert(check, ident(rank), JOB)
+def expect_suspect(check: str, rank: int, *, ambiguous: bool = False) -> dict[str, Any]:
+    """The critical alert for a suspect rank (with ``ambiguous``: the warning for an ambiguous suspect), exactly as
+    the direct push builds it."""
+    pushed = alerts.suspect_alert(check, ident(rank), JOB, ambiguous=ambiguous)
     labels = {k: v for k, v in pushed["labels"].items() if k != "alertname"}
     return {"exp_labels": labels, "exp_annotations": pushed["annotations"]}
 
@@ -91,9 +94,12 @@ def healthy_rank(rank: int, minutes: int) -> list[dict[str, str]]:
     lab = scraped(rank)
     out = [series("up", target(rank), f"1x{minutes}"), series(STEPS, lab, f"0+60x{minutes}"),
            series(CLOSED, lab, f"0x{minutes}"), series(WEIGHT_MISMATCHES, lab, f"0x{minutes}")]
+    if rank == 0:  # the writer rank pushes pages itself (alertmanager_url)
+        out.append(series(PAGER_FAILURES, lab, f"0x{minutes}"))
     for check in alerts.STALE_AFTER:
         out.append(series(LAST_RUN, {**lab, "check": check}, f"0+60x{minutes}"))
         out.append(series(SUSPECT, {**lab, "check": check}, f"0x{minutes}"))
+        out.append(series(AMBIGUOUS, {**lab, "check": check}, f"0x{minutes}"))
         out.append(series(CHECKS, {**lab, "check": check, "result": "pass"}, f"0+60x{minutes}"))
         # A skipped run now and then (a rank not measured yet) is not a failing check.
         out.append(series(CHECKS, {**lab, "check": check, "result": "skipped"}, f"1+1x{minutes}"))
@@ -144,6 +150,34 @@ def document() -> dict[str, Any]:
              [series(SUSPECT, {**scraped(3), "check": check}, "0x5 1x20"),
               series(SUSPECT, {**scraped(0), "check": check}, "0x25")],
              [at("5m", name), at("6m", name, expect_suspect(check, 3)), *quiet(tuple(others), "6m", "20m")])
+
+    # -- ambiguous verdicts: the same alert name as a warning with ambiguous="true", never the critical
+    for check, name in alerts.SUSPECT_ALERTS.items():
+        case(f"an ambiguous {check} suspect warns {name} with ambiguous=\"true\" and never fires it critical",
+             [series(AMBIGUOUS, {**scraped(1), "check": check}, "0x5 1x20"),
+              series(SUSPECT, {**scraped(1), "check": check}, "0x25"),
+              series(AMBIGUOUS, {**scraped(0), "check": check}, "0x25")],
+             # promtool compares every alert of the name: the lone warning proves no critical fires beside it.
+             [at("5m", name), at("6m", name, expect_suspect(check, 1, ambiguous=True)),
+              at("20m", name, expect_suspect(check, 1, ambiguous=True)),
+              *quiet(tuple(a for a in CRITICAL if a != name), "6m", "20m")])
+    case("an unambiguous and an ambiguous suspect of one check: a critical for the one, a warning for the other",
+         [series(SUSPECT, {**scraped(3), "check": "weights"}, "0x5 1x20"),
+          series(AMBIGUOUS, {**scraped(1), "check": "weights"}, "0x5 1x20")],
+         [at("6m", "SDCWeightFingerprintMismatch", expect_suspect("weights", 1, ambiguous=True),
+             expect_suspect("weights", 3))])
+
+    # -- the direct push failing
+    case("failed direct pages warn SDCPagerFailing for the writer rank for the event window, then clear",
+         [series(PAGER_FAILURES, scraped(0), "0x10 1 2 3x40"),
+          series(PAGER_FAILURES, scraped(1), "0x50")],
+         [at("10m", "SDCPagerFailing"),
+          at("11m", "SDCPagerFailing", expect("SDCPagerFailing", ident(0))),
+          at("20m", "SDCPagerFailing", expect("SDCPagerFailing", ident(0))),
+          at("30m", "SDCPagerFailing"), *quiet(CRITICAL, "11m")])
+    case("a pager failure counter born by its first failure warns SDCPagerFailing",
+         [series(PAGER_FAILURES, scraped(2), "_x5 1x30")],
+         [at("4m", "SDCPagerFailing"), at("6m", "SDCPagerFailing", expect("SDCPagerFailing", ident(2)))])
 
     # -- numerics: NaN on every rank pages nobody, warns the job once it persists
     nan = [s for r in range(4) for s in healthy_rank(r, 60) if NONFINITE not in s["series"]]

@@ -30,6 +30,7 @@ CONTRACT = {
     "SDCCheckFailing": "warning",
     "SDCTrainingNonFinite": "warning",
     "SDCExporterDown": "warning",
+    "SDCPagerFailing": "warning",
     "GPUUncorrectableECCErrors": "warning",
     "GPUXidErrors": "warning",
 }
@@ -77,13 +78,19 @@ def test_regenerating_gives_the_checked_in_files(tmp_path: Path) -> None:
         f"alerts/{alerts.TESTS_FILE} is stale: run python -m tests.promtool.rule_cases"
 
 
+def _ambiguous(rule: dict[str, Any]) -> bool:
+    return rule["labels"].get("ambiguous") == "true"
+
+
 def test_rules_have_the_contract_names_severities_and_annotations() -> None:
-    """Every contract alert exists with its severity, summary, description and a runbook_url to an existing anchor."""
+    """Every contract alert exists with its severity (a suspect alert's ambiguous twin: warning), summary,
+    description and a runbook_url to an existing anchor."""
     rules = _rules()
     assert {r["alert"] for r in rules} == set(CONTRACT)
     anchors = _slugs(RUNBOOK.read_text())
     for r in rules:
-        assert r["labels"]["severity"] == CONTRACT[r["alert"]], r["alert"]
+        severity = "warning" if _ambiguous(r) else CONTRACT[r["alert"]]
+        assert r["labels"]["severity"] == severity, r["alert"]
         ann = r["annotations"]
         assert ann["summary"] and ann["description"], r["alert"]
         path, anchor = ann["runbook_url"].split("#")
@@ -102,6 +109,30 @@ def test_critical_alerts_read_only_the_latched_suspect_gauge() -> None:
         assert r["labels"]["check"] == check
     nonfinite = next(r for r in critical if r["alert"] == "SDCNonFiniteGradient")
     assert nonfinite["labels"]["phase"] == "local"
+    assert not any(_ambiguous(r) for r in critical)
+
+
+def test_each_suspect_alert_has_an_ambiguous_warning_twin_reading_the_ambiguous_gauge() -> None:
+    """For each critical suspect alert one more rule with its name, severity warning and ambiguous="true" fires on
+    sdc_suspect_ambiguous{check} over the event window, never on sdc_suspect."""
+    twins = [r for r in _rules() if _ambiguous(r)]
+    assert sorted(r["alert"] for r in twins) == sorted(SUSPECT_CHECKS)
+    for r in twins:
+        check = SUSPECT_CHECKS[r["alert"]]
+        assert r["labels"]["severity"] == "warning" and r["labels"]["check"] == check
+        assert f'max_over_time(sdc_suspect_ambiguous{{check="{check}"}}[{alerts.EVENT_WINDOW}])' in r["expr"]
+        assert set(re.findall(r"\b(sdc_[a-z_]+)\b", r["expr"])) == {"sdc_suspect_ambiguous"}, r["alert"]
+        assert "not paged" in r["annotations"]["summary"]
+        assert r["annotations"]["runbook_url"].endswith("#ambiguous-sdc-verdicts")
+
+
+def test_pager_failing_warns_per_rank_on_an_increase_of_the_pager_failure_counter() -> None:
+    """SDCPagerFailing reads sdc_pager_failures_total per rank (an increase, or a counter born by a failure)."""
+    rule = next(r for r in _rules() if r["alert"] == "SDCPagerFailing")
+    assert rule["labels"] == {"severity": "warning"}
+    assert f"increase(sdc_pager_failures_total[{alerts.EVENT_WINDOW}]) > 0" in rule["expr"]
+    assert "unless sdc_pager_failures_total offset" in rule["expr"]
+    assert rule["expr"].startswith("max by (service_name, host_name, rank, local_rank, hw_id)")
 
 
 def test_per_rank_alerts_keep_and_template_the_suspects_identity() -> None:
@@ -167,7 +198,8 @@ def test_promtool_tests_cover_every_alert_firing_and_quiet() -> None:
     assert fired == set(CONTRACT) and quiet == set(CONTRACT)
     names = " | ".join(case["name"] for case in doc["tests"])
     for story in ("healthy job pages nothing", "replay broken on every audit", "NaN on every rank",
-                  "ended with close()", "vanished while monitoring"):
+                  "ended with close()", "vanished while monitoring", "ambiguous weights suspect warns",
+                  "failed direct pages warn SDCPagerFailing"):
         assert story in names, story
 
 
@@ -191,11 +223,26 @@ def test_suspect_alert_is_the_rules_alert() -> None:
     ident = {"host_name": "n7", "rank": 2, "local_rank": 1, "hw_id": "GPU-9", "service_instance_id": "ignored"}
     for name, check in SUSPECT_CHECKS.items():
         pushed = alerts.suspect_alert(check, ident, "llm")
-        rule = next(r for r in _rules() if r["alert"] == name)
+        rule = next(r for r in _rules() if r["alert"] == name and not _ambiguous(r))
         assert pushed["labels"] == {"alertname": name, **rule["labels"], "service_name": "llm", "host_name": "n7",
                                     "rank": "2", "local_rank": "1", "hw_id": "GPU-9"}
         assert pushed["annotations"]["runbook_url"] == rule["annotations"]["runbook_url"]
         assert "rank 2 on host n7 (GPU GPU-9)" in pushed["annotations"]["summary"]
+        assert "{{" not in pushed["annotations"]["description"]
+
+
+def test_ambiguous_suspect_alert_is_the_ambiguous_rules_alert() -> None:
+    """suspect_alert(ambiguous=True) gives the ambiguous twin rule's labels (severity warning, ambiguous="true") and
+    its annotations rendered for the rank: never critical."""
+    ident = {"host_name": "n7", "rank": 2, "local_rank": 1, "hw_id": "GPU-9"}
+    for name, check in SUSPECT_CHECKS.items():
+        pushed = alerts.suspect_alert(check, ident, "llm", ambiguous=True)
+        rule = next(r for r in _rules() if r["alert"] == name and _ambiguous(r))
+        assert pushed["labels"] == {"alertname": name, **rule["labels"], "service_name": "llm", "host_name": "n7",
+                                    "rank": "2", "local_rank": "1", "hw_id": "GPU-9"}
+        assert pushed["labels"]["severity"] == "warning" and pushed["labels"]["ambiguous"] == "true"
+        assert pushed["annotations"] == {k: alerts.render_template(v, pushed["labels"])
+                                         for k, v in rule["annotations"].items()}
         assert "{{" not in pushed["annotations"]["description"]
 
 
@@ -220,13 +267,16 @@ def test_amtool_check_config() -> None:
     (["severity=critical", "alertname=SDCWeightFingerprintMismatch"], "responder,pager"),
     (["severity=critical", "alertname=SDCNonFiniteGradient", "phase=local"], "responder,pager"),
     (["severity=critical", "alertname=SomeOtherCritical"], "pager"),
+    (["severity=warning", "alertname=SDCWeightFingerprintMismatch", "ambiguous=true"], "ticket"),
+    (["severity=critical", "alertname=SDCReplayMismatch", "ambiguous=true"], "pager"),
+    (["severity=warning", "alertname=SDCPagerFailing"], "ticket"),
     (["severity=warning", "alertname=GPUXidErrors"], "ticket"),
     (["severity=warning", "alertname=SDCExporterDown"], "ticket"),
 ])
 def test_amtool_routes_sdc_criticals_to_responder_and_pager_and_warnings_to_ticket(labels: list[str],
                                                                                    receivers: str) -> None:
-    """Critical SDC alerts reach the responder and (continue) the pager; other criticals the pager; warnings the
-    ticket receiver."""
+    """Critical SDC alerts reach the responder and (continue) the pager; other criticals, and anything
+    ambiguous="true", never the responder; warnings the ticket receiver."""
     out = _run(_tool("amtool"), "config", "routes", "test", f"--config.file={ALERTS / alerts.ALERTMANAGER_FILE}",
                *labels)
     assert out.returncode == 0 and out.stdout.strip() == receivers, out.stdout + out.stderr
@@ -240,8 +290,16 @@ def test_alertmanager_groups_by_job_and_host_and_inhibits_a_paged_hosts_warnings
     receivers = {r["name"]: r for r in doc["receivers"]}
     assert receivers["pager"]["webhook_configs"][0]["url"].endswith("/pager")
     assert receivers["ticket"]["webhook_configs"][0]["url"].endswith("/ticket")
-    assert receivers["responder"]["webhook_configs"][0]["url"] == "http://sdc-responder:9095/alerts"
-    assert doc["route"]["routes"][0]["continue"] is True
+    responder = receivers["responder"]["webhook_configs"][0]
+    assert responder["url"] == "http://sdc-responder:9095/alerts"
+    assert responder["http_config"] == {"authorization": {"type": "Bearer",
+                                                          "credentials_file": alerts.RESPONDER_CREDENTIALS_FILE}}
+    assert alerts.RESPONDER_CREDENTIALS_FILE == "/etc/alertmanager/sdc-responder.token"
+    first = doc["route"]["routes"][0]
+    assert first["receiver"] == "responder" and first["continue"] is True
+    assert 'ambiguous!="true"' in first["matchers"] and 'severity="critical"' in first["matchers"]
+    # Only this project's suspect alert names reach the responder.
+    assert set(first["matchers"][1].split('"')[1].split("|")) == set(SUSPECT_CHECKS)
     assert doc["inhibit_rules"] == [{"source_matchers": ['severity="critical"'],
                                      "target_matchers": ['severity="warning"'], "equal": ["host_name"]}]
     assert "  # pagerduty_configs:" in text and "  # slack_configs:" in text
@@ -252,6 +310,22 @@ def test_alertmanager_config_without_responder() -> None:
     doc = alerts.alertmanager_config("http://x/pager", "http://x/ticket", responder_url=None)
     assert [r["receiver"] for r in doc["route"]["routes"]] == ["pager", "ticket"]
     assert {r["name"] for r in doc["receivers"]} == {"pager", "ticket"}
+
+
+def test_alertmanager_config_sends_the_responder_token_file_only_when_given(tmp_path: Path) -> None:
+    """responder_credentials_file becomes http_config.authorization.credentials_file of the responder webhook (and
+    amtool accepts it); without it no authorization is configured."""
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    doc = alerts.alertmanager_config(responder_url="https://r:9095/alerts", responder_credentials_file=str(token))
+    hook = next(r for r in doc["receivers"] if r["name"] == "responder")["webhook_configs"][0]
+    assert hook["http_config"]["authorization"]["credentials_file"] == str(token)
+    config = tmp_path / "am.yml"
+    config.write_text(alerts.to_yaml(doc))
+    out = _run(_tool("amtool"), "check-config", str(config))
+    assert out.returncode == 0, out.stdout + out.stderr
+    bare = alerts.alertmanager_config(responder_url="http://r:9095/alerts")
+    assert "http_config" not in next(r for r in bare["receivers"] if r["name"] == "responder")["webhook_configs"][0]
 
 
 def test_render_handles_every_construct_the_rules_use() -> None:

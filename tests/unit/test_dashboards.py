@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from sdc_telemetry.ops import alerts, dashboards
-from sdc_telemetry.sinks.metrics import FAMILIES, GPU, IDENTITY_LABELS
+from sdc_telemetry.sinks.metrics import FAMILIES, GPU, IDENTITY_LABELS, family
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "dashboards"
@@ -162,6 +162,34 @@ def test_gpu_dashboard_shows_every_nvml_family_and_joins_on_host_and_gpu() -> No
         assert f.name in exprs, f.name
     assert "on (host_name, hw_id)" in exprs
     assert any(p["title"].startswith("Suspect GPUs") for p in _panels(gpu))
+
+
+def test_gpu_dashboard_has_a_fleet_panel_of_strikes_per_gpu() -> None:
+    """GPU health lists the ledger's strikes per GPU (sdc_fleet_gpu_strikes by hw_id and host_name, most first), a
+    family of the responder that carries no rank identity; a second strike is red."""
+    panel = next(p for p in _panels(_load(dashboards.GPU_UID)) if p["title"].startswith("Fleet"))
+    assert panel["type"] == "table"
+    (target,) = panel["targets"]
+    assert target["expr"].startswith("sort_desc(max by (hw_id, host_name) (sdc_fleet_gpu_strikes{")
+    assert target["instant"] is True and target["format"] == "table"
+    strikes = family("sdc_fleet_gpu_strikes")
+    assert (strikes.kind, strikes.labels, strikes.source) == ("gauge", ("hw_id", "host_name"), "fleet")
+    value = next(o for o in panel["fieldConfig"]["overrides"] if o["matcher"]["options"] == "Value"
+                 and o["properties"][0]["id"] == "custom.cellOptions")
+    steps = value["properties"][1]["value"]["steps"]
+    assert steps[-1] == {"color": "red", "value": 2}
+
+
+def test_overview_shows_ambiguous_suspects_and_pager_failures_apart() -> None:
+    """The Current suspects stat counts ambiguous suspects as a second value, and Monitor errors the failed direct
+    pages, from their rollups; GPU health plots sdc_suspect_ambiguous next to sdc_suspect."""
+    stats = {p["title"]: p for p in _panels(_load(dashboards.OVERVIEW_UID)) if p["type"] == "stat"}
+    suspects = [t["expr"] for t in stats["Current suspects"]["targets"]]
+    assert len(suspects) == 2 and "sdc:ambiguous_suspect_ranks:count" in suspects[1]
+    errors = [t["expr"] for t in stats["Monitor errors"]["targets"]]
+    assert len(errors) == 2 and "sdc:pager_failures:sum" in errors[1]
+    verdicts = next(p for p in _panels(_load(dashboards.GPU_UID)) if p["title"] == "SDC verdicts next to GPU errors")
+    assert any("sdc_suspect_ambiguous{" in t["expr"] for t in verdicts["targets"])
 
 
 def test_gradient_panel_is_top_k_ranks_and_weights_are_per_host() -> None:

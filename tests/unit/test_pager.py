@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from sdc_telemetry.core.config import SDCConfig
 from sdc_telemetry.core.identity import RankIdentity
 from sdc_telemetry.core.incident import Incident
 from sdc_telemetry.ops import alerts
@@ -34,7 +36,9 @@ class _Recorder(ThreadingHTTPServer):
     def __init__(self, status: int = 200, delay_s: float = 0.0) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
         self.status, self.delay_s = status, delay_s
+        self.script: list[int] = []  # statuses of the next requests, then `status`
         self.posts: list[tuple[str, Any]] = []
+        self.times: list[float] = []  # monotonic arrival of each post
         self.got = threading.Event()
 
     @property
@@ -46,10 +50,12 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Recorder
 
     def do_POST(self) -> None:
+        self.server.times.append(time.monotonic())
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         time.sleep(self.server.delay_s)
         self.server.posts.append((self.path, body))
-        self.send_response(self.server.status)
+        status = self.server.script.pop(0) if self.server.script else self.server.status
+        self.send_response(status)
         self.end_headers()
         self.server.got.set()
 
@@ -107,24 +113,146 @@ def test_page_returns_before_the_post_completes(recorder: _Recorder) -> None:
     assert len(recorder.posts) == 1
 
 
-def test_failures_call_on_error_and_log_once(recorder: _Recorder, caplog: pytest.LogCaptureFixture) -> None:
-    """An HTTP error never raises: each failed push calls on_error, and only the first logs a warning."""
+def _wait(done: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_failures_call_on_error_log_once_and_give_up_after_max_attempts(recorder: _Recorder,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """An HTTP error never raises: each failed attempt calls on_error (only the first logs a warning), each page is
+    tried max_attempts times in order, then given up with an error line."""
     recorder.status = 500
     errors: list[int] = []
-    pusher = AlertmanagerPusher(recorder.url, "llm", on_error=lambda: errors.append(1))
+    pusher = AlertmanagerPusher(recorder.url, "llm", on_error=lambda: errors.append(1), retry_initial_s=0.01,
+                                retry_max_s=0.02, max_attempts=3)
     with caplog.at_level(logging.WARNING, logger="sdc_telemetry"):
         pusher.page(_incident())
         pusher.page(_incident("grad_reduced"))
+        _wait(lambda: pusher.given_up == 2)
         pusher.close(timeout_s=5)
-    assert len(recorder.posts) == 2 and len(errors) == 2
+    assert len(recorder.posts) == 6 and len(errors) == 6 and pusher.failures == 6 and pusher.delivered == 0
+    checks = [body[0]["labels"]["check"] for _, body in recorder.posts]
+    assert checks == ["weights"] * 3 + ["grad_reduced"] * 3
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "HTTP 500" in warnings[0].getMessage()
+    gave_up = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(gave_up) == 2 and "after 3 attempts" in gave_up[0].getMessage()
+
+
+def test_a_failed_push_is_retried_with_backoff_until_accepted(recorder: _Recorder) -> None:
+    """Alertmanager answers 500 three times, then accepts: the same alert is posted four times (startsAt kept,
+    endsAt renewed), each wait about twice the last, three failures counted, the page delivered."""
+    recorder.script = [500, 500, 500]
+    errors: list[int] = []
+    pusher = AlertmanagerPusher(recorder.url, "llm", on_error=lambda: errors.append(1), retry_initial_s=0.1)
+    pusher.page(_incident())
+    _wait(lambda: pusher.delivered == 1)
+    assert len(recorder.posts) == 4 and len(errors) == 3 and pusher.failures == 3 and pusher.pending == 0
+    bodies = [body for _, body in recorder.posts]
+    assert all(b[0]["labels"] == bodies[0][0]["labels"] for b in bodies)
+    assert len({b[0]["startsAt"] for b in bodies}) == 1
+    assert bodies[-1][0]["endsAt"] > bodies[0][0]["endsAt"]
+    gaps = [b - a for a, b in zip(recorder.times, recorder.times[1:], strict=False)]
+    assert gaps[0] == pytest.approx(0.1, abs=0.08)
+    assert gaps[1] == pytest.approx(0.2, abs=0.08) and gaps[2] == pytest.approx(0.4, abs=0.1)
+    pusher.close()
+    assert len(errors) == 3
+
+
+def test_backoff_is_capped_and_retries_stop_after_retry_for_s(recorder: _Recorder) -> None:
+    """The wait doubles up to retry_max_s; a page failing for retry_for_s is given up."""
+    recorder.status = 503
+    pusher = AlertmanagerPusher(recorder.url, "llm", retry_initial_s=0.05, retry_max_s=0.1, retry_for_s=0.6)
+    started = time.monotonic()
+    pusher.page(_incident())
+    _wait(lambda: pusher.given_up == 1)
+    assert 0.6 <= time.monotonic() - started < 1.5
+    gaps = [b - a for a, b in zip(recorder.times, recorder.times[1:], strict=False)]
+    assert max(gaps) < 0.2 and len(recorder.posts) >= 6
+    pusher.close()
+
+
+def test_page_never_blocks_while_a_page_is_retried(recorder: _Recorder) -> None:
+    """While Alertmanager keeps failing, page() still returns at once and the new page goes out after the first."""
+    recorder.script = [500, 500]
+    pusher = AlertmanagerPusher(recorder.url, "llm", retry_initial_s=0.2)
+    pusher.page(_incident())
+    _wait(lambda: len(recorder.posts) == 1)
+    t0 = time.perf_counter()
+    pusher.page(_incident("replay"))
+    assert time.perf_counter() - t0 < 0.05
+    _wait(lambda: pusher.delivered == 2)
+    assert [body[0]["labels"]["check"] for _, body in recorder.posts] == ["weights"] * 3 + ["replay"]
+    pusher.close()
+
+
+def test_refused_connection_and_timeout_are_retried(recorder: _Recorder) -> None:
+    """A refused connection and a request that times out are failures like an HTTP error: counted and retried."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    errors: list[int] = []
+    refused = AlertmanagerPusher(f"http://127.0.0.1:{port}", "llm", timeout_s=0.5, retry_initial_s=0.01,
+                                 max_attempts=3, on_error=lambda: errors.append(1))
+    refused.page(_incident())
+    _wait(lambda: refused.given_up == 1)
+    refused.close()
+    assert errors == [1, 1, 1]
+    recorder.delay_s = 0.4
+    slow = AlertmanagerPusher(recorder.url, "llm", timeout_s=0.1, retry_initial_s=0.01, max_attempts=2)
+    slow.page(_incident())
+    _wait(lambda: slow.given_up == 1)
+    slow.close()
+    assert slow.failures == 2
+
+
+def test_close_flushes_a_failing_push_promptly(recorder: _Recorder) -> None:
+    """close() right after page() retries at once (not after the backoff) and returns as soon as the page is
+    accepted; with an Alertmanager that never accepts it returns after its timeout and counts the dropped page."""
+    recorder.script = [500, 500]
+    pusher = AlertmanagerPusher(recorder.url, "llm", retry_initial_s=0.1, retry_max_s=30)
+    pusher.page(_incident())
+    t0 = time.monotonic()
+    pusher.close(timeout_s=3)
+    assert time.monotonic() - t0 < 1.0
+    assert pusher.delivered == 1 and len(recorder.posts) == 3
+    recorder.status = 500
+    errors: list[int] = []
+    stuck = AlertmanagerPusher(recorder.url, "llm", retry_initial_s=0.1, retry_max_s=30,
+                               on_error=lambda: errors.append(1))
+    stuck.page(_incident())
+    _wait(lambda: stuck.failures == 1)
+    t0 = time.monotonic()
+    stuck.close(timeout_s=0.5)
+    assert 0.4 <= time.monotonic() - t0 < 0.9
+    assert stuck.given_up == 1 and stuck.pending == 0
+    assert len(errors) == stuck.failures + 1  # every failed attempt, and the page dropped at close
+
+
+def test_ambiguous_incident_is_pushed_as_the_warning_never_critical(recorder: _Recorder) -> None:
+    """An incident whose evidence says ambiguous is pushed with suspect_alert(ambiguous=True): same alert name,
+    severity warning, ambiguous="true"."""
+    pusher = AlertmanagerPusher(recorder.url, "llm")
+    incident = Incident(step=7, check="replay", suspect_ranks=(2,), suspects=(SUSPECT,),
+                        evidence={"ambiguous": True, "verdict": "persistent"})
+    pusher.page(incident)
+    pusher.close(timeout_s=5)
+    (alert,) = recorder.posts[0][1]
+    expected = alerts.suspect_alert("replay", {"host_name": "node-b", "rank": 2, "local_rank": 2, "hw_id": "GPU-2"},
+                                    "llm", ambiguous=True)
+    assert alert["labels"] == expected["labels"] and alert["annotations"] == expected["annotations"]
+    assert alert["labels"]["severity"] == "warning" and alert["labels"]["ambiguous"] == "true"
+    assert alert["labels"]["alertname"] == "SDCReplayMismatch"
 
 
 def test_unreachable_alertmanager_and_bad_incident_are_counted_not_raised() -> None:
     """A refused connection and an incident of an unknown check each call on_error; page() never raises."""
     errors: list[int] = []
-    pusher = AlertmanagerPusher("http://127.0.0.1:9", "llm", timeout_s=0.5, on_error=lambda: errors.append(1))
+    pusher = AlertmanagerPusher("http://127.0.0.1:9", "llm", timeout_s=0.5, on_error=lambda: errors.append(1),
+                                max_attempts=1)
     pusher.page(_incident("not-a-check"))
     assert errors == [1]
     pusher.page(_incident())
@@ -151,14 +279,50 @@ def test_close_is_bounded_idempotent_and_later_pages_are_dropped(recorder: _Reco
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"url": "alertmanager:9093", "job_name": "llm"}, "url must be an http"),
     ({"url": "file:///etc/passwd", "job_name": "llm"}, "url must be an http"),
+    ({"url": "http://", "job_name": "llm"}, "no host"),
+    ({"url": "http://am :9093", "job_name": "llm"}, "whitespace"),
+    ({"url": "http://am:9093", "job_name": "llm", "retry_initial_s": 0}, "retry_initial_s"),
+    ({"url": "http://am:9093", "job_name": "llm", "retry_initial_s": 2, "retry_max_s": 1}, "retry_max_s"),
+    ({"url": "http://am:9093", "job_name": "llm", "retry_for_s": float("inf")}, "retry_for_s"),
+    ({"url": "http://am:9093", "job_name": "llm", "max_attempts": 0}, "max_attempts"),
     ({"url": "http://am:9093", "job_name": ""}, "job_name"),
     ({"url": "http://am:9093", "job_name": "llm", "timeout_s": 0}, "timeout_s"),
     ({"url": "http://am:9093", "job_name": "llm", "ttl_s": -1}, "ttl_s"),
 ])
 def test_bad_arguments_name_the_problem(kwargs: dict[str, Any], message: str) -> None:
-    """A malformed URL, an empty job name or a non-positive timeout/TTL is a ValueError naming it."""
+    """A malformed URL, an empty job name, a non-positive timeout/TTL or a bad retry bound is a ValueError naming
+    it."""
     with pytest.raises(ValueError, match=message):
         AlertmanagerPusher(**kwargs)
+
+
+@pytest.mark.parametrize(("url", "problem"), [
+    ("http://", "no host"),
+    ("https://:9093", "no host"),
+    ("ftp://am:9093", "scheme is ftp"),
+    ("alertmanager:9093", "scheme is alertmanager"),
+    ("http://am:9093 ", "whitespace"),
+    (" http://am:9093", "whitespace"),
+    ("http://am\n:9093", "whitespace or control"),
+    ("http://am:99999", "malformed"),
+    ("http://am:port", "malformed"),
+    ("http://am:9093/?x=1", "query or fragment"),
+    ("", "empty"),
+])
+def test_config_refuses_an_alertmanager_url_the_pager_cannot_use(url: str, problem: str) -> None:
+    """SDCConfig(alertmanager_url=...) refuses a URL without a host, of another scheme, with whitespace or control
+    characters, a bad port or a query, naming the field and the problem (the pager would never start)."""
+    with pytest.raises(ValueError, match=r"SDCConfig\.alertmanager_url") as err:
+        SDCConfig(alertmanager_url=url)
+    assert problem in str(err.value)
+
+
+@pytest.mark.parametrize("url", ["http://am:9093", "https://alertmanager.example.com/prefix/",
+                                 "http://127.0.0.1:9093", "http://[::1]:9093"])
+def test_config_accepts_alertmanager_base_urls(url: str) -> None:
+    """Base URLs with a host, an optional port and an optional path prefix pass, and the pager accepts them too."""
+    assert SDCConfig(alertmanager_url=url).alertmanager_url == url
+    AlertmanagerPusher(url, "llm").close()
 
 
 @pytest.mark.e2e

@@ -26,11 +26,14 @@ from sdc_telemetry.core.findings import CHECKS
 from sdc_telemetry.core.identity import RankIdentity
 from sdc_telemetry.core.incident import Incident
 from sdc_telemetry.sinks import telemetry as telemetry_mod
-from sdc_telemetry.sinks.metrics import CHECK_DURATION_BUCKETS, FAMILIES, GPU, IDENTITY_LABELS, SDC, family
+from sdc_telemetry.sinks.metrics import CHECK_DURATION_BUCKETS, FAMILIES, FLEET, GPU, IDENTITY_LABELS, SDC, family
 from sdc_telemetry.sinks.nvml import FakeNVML
 from sdc_telemetry.sinks.observer import ReplayDeltas, StepReport
 from sdc_telemetry.sinks.telemetry import NONFINITE, Telemetry
 
+AM_URL = "http://127.0.0.1:9"  # an Alertmanager URL: the ranks then export the pager failure counter
+# What a training rank exports: every family but the responder's fleet families.
+RANK_FAMILIES = tuple(f for f in FAMILIES if f.source != "fleet")
 IDENT = RankIdentity(rank=3, local_rank=1, host_name="node-b", hw_id="GPU-11111111-2222-3333-4444-555555555555")
 CPU_IDENT = RankIdentity(rank=0, local_rank=0, host_name="node-a", hw_id="cpu:node-a:0")
 
@@ -109,8 +112,9 @@ def run_until(done: Any, timeout: float = 10.0) -> None:
 
 
 def test_scraped_names_are_exactly_the_table(make: Any) -> None:
-    """Over HTTP, every family of the metric table is scraped under its `name`, and nothing else but target_info."""
-    t = make(served(), nvml=FakeNVML(IDENT.hw_id))
+    """Over HTTP, every family of the metric table a rank exports (all but the responder's fleet families) is scraped
+    under its `name`, and nothing else but target_info."""
+    t = make(served(alertmanager_url=AM_URL), nvml=FakeNVML(IDENT.hw_id))
     t.report(full_report())
     assert t._gpu is not None
     t._gpu.device.inject_xid(79)
@@ -118,19 +122,20 @@ def test_scraped_names_are_exactly_the_table(make: Any) -> None:
     text = scrape(t.port)
     names = {n for n, _, _ in samples(text)}
     expected = set()
-    for f in FAMILIES:
+    for f in RANK_FAMILIES:
         expected |= {f.name + s for s in ("_bucket", "_count", "_sum")} if f.kind == "histogram" else {f.name}
     assert names - {"target_info"} == expected
+    assert not names & {f.name for f in FLEET}
     types = {fam.name: fam.type for fam in text_string_to_metric_families(text)}
-    for f in FAMILIES:
+    for f in RANK_FAMILIES:
         assert types[f.name.removesuffix("_total") if f.kind == "counter" else f.name] == f.kind
 
 
 def test_every_series_carries_identity_and_only_its_family_labels(make: Any) -> None:
     """Each series has service_name, service_instance_id, host_name, rank, local_rank, hw_id plus its own labels."""
-    t = make(nvml=FakeNVML(IDENT.hw_id))
+    t = make(cfg(alertmanager_url=AM_URL), nvml=FakeNVML(IDENT.hw_id))
     t.report(full_report())
-    by_name = {f.name: f for f in FAMILIES}
+    by_name = {f.name: f for f in RANK_FAMILIES}
     for name, labels, _ in samples(text_of(t)):
         if name == "target_info":
             continue
@@ -151,7 +156,7 @@ def test_replay_families_have_no_partner_label() -> None:
 def test_otel_side_uses_the_private_provider_and_resource(make: Any) -> None:
     """Extra readers see the OTel instrument names, and the resource names job, instance, host, rank and GPU."""
     reader = InMemoryMetricReader()
-    t = make(readers=[reader])
+    t = make(cfg(alertmanager_url=AM_URL), readers=[reader])
     t.report(full_report())
     rm = reader.get_metrics_data().resource_metrics[0]
     attrs = dict(rm.resource.attributes)
@@ -317,8 +322,9 @@ def test_nonfinite_values_scrape_as_inf_without_warnings(make: Any, caplog: pyte
 
 
 def test_sample_count_is_bounded_and_fixed(make: Any) -> None:
-    """A rank serves at most 200 sdc_ samples, and the same series after 2 audits as after 24 more."""
-    t = make(served(grad_checks=True, weights_every=1, replay_every=1))
+    """A rank serves at most 200 sdc_ samples, and the same series after 2 audits as after 24 more (ambiguous
+    suspects and pager failures included)."""
+    t = make(served(grad_checks=True, weights_every=1, replay_every=1, alertmanager_url=AM_URL))
 
     def series() -> set[tuple[str, tuple[tuple[str, str], ...]]]:
         return {(n, tuple(sorted(lab.items()))) for n, lab, _ in samples(scrape(t.port)) if n.startswith("sdc_")}
@@ -327,7 +333,9 @@ def test_sample_count_is_bounded_and_fixed(make: Any) -> None:
         t.report(full_report(step, replay=ReplayDeltas(loss_delta=1e-6 * step, grad_delta=1e-5, mismatch=False)))
     after_two = series()
     for step in range(2, 26):
-        t.report(full_report(step, replay=ReplayDeltas(loss_delta=1e-6 * step, grad_delta=1e-5, mismatch=step == 7)))
+        t.report(full_report(step, replay=ReplayDeltas(loss_delta=1e-6 * step, grad_delta=1e-5, mismatch=step == 7),
+                             suspect_checks=tuple(CHECKS), ambiguous_checks=("replay",)))
+        t.internal_error("alertmanager")
     after_more = series()
     assert len(after_two) <= 200
     assert after_more == after_two
@@ -488,7 +496,64 @@ def test_internal_error_counts_by_component(make: Any) -> None:
     t = make()
     t.internal_error("alertmanager")
     t.internal_error("alertmanager")
-    assert value(text_of(t), "sdc_internal_errors_total", component="alertmanager") == 2
+    t.internal_error("otlp")
+    text = text_of(t)
+    assert value(text, "sdc_internal_errors_total", component="alertmanager") == 2
+    assert value(text, "sdc_internal_errors_total", component="otlp") == 1
+
+
+def test_pager_failures_count_each_failed_push_from_zero(make: Any) -> None:
+    """With alertmanager_url, sdc_pager_failures_total exists at 0; each failure of the direct push (the pager's
+    on_error: internal_error("alertmanager"), or an "alertmanager" error in a report) adds 1; other components do
+    not."""
+    t = make(cfg(alertmanager_url=AM_URL))
+    text = text_of(t)
+    assert value(text, "sdc_pager_failures_total") == 0
+    assert value(text, "sdc_internal_errors_total", component="alertmanager") == 0
+    for _ in range(3):
+        t.internal_error(telemetry_mod.PAGER_COMPONENT)
+    t.internal_error("otlp")
+    t.report(StepReport(step=1, errors=("alertmanager", "replay")))
+    text = text_of(t)
+    assert value(text, "sdc_pager_failures_total") == 4
+    assert value(text, "sdc_internal_errors_total", component="alertmanager") == 4
+    assert value(text_of(make()), "sdc_pager_failures_total") is None  # no Alertmanager configured, no series
+
+
+def test_ambiguous_suspect_latches_the_ambiguous_gauge_not_sdc_suspect(make: Any) -> None:
+    """A check in ambiguous_checks (or an incident naming this rank whose evidence says ambiguous) latches
+    sdc_suspect_ambiguous{check}, never sdc_suspect{check}; an unambiguous suspect in the same report still latches
+    sdc_suspect. Both start at 0 for every check."""
+    t = make()
+    text = text_of(t)
+    for check in CHECKS:
+        assert value(text, "sdc_suspect_ambiguous", check=check) == 0
+    replay = Incident(step=4, check="replay", suspect_ranks=(3,), suspects=(IDENT,), evidence={"ambiguous": True})
+    weights = Incident(step=4, check="weights", suspect_ranks=(3,), suspects=(IDENT,), evidence={"ambiguous": False})
+    t.report(StepReport(step=4, incidents=(replay, weights), suspect_checks=("replay", "weights"),
+                        ambiguous_checks=("replay",)))
+    # Evidence alone (a report that does not fill ambiguous_checks) is enough.
+    grad = Incident(step=5, check="grad_local", suspect_ranks=(3,), suspects=(IDENT,), evidence={"ambiguous": True})
+    t.report(StepReport(step=5, incidents=(grad,), suspect_checks=("grad_local",)))
+    t.report(StepReport(step=6, results={"replay": "pass"}))
+    text = text_of(t)
+    assert value(text, "sdc_suspect", check="replay") == 0
+    assert value(text, "sdc_suspect_ambiguous", check="replay") == 1
+    assert value(text, "sdc_suspect", check="grad_local") == 0
+    assert value(text, "sdc_suspect_ambiguous", check="grad_local") == 1
+    assert value(text, "sdc_suspect", check="weights") == 1
+    assert value(text, "sdc_suspect_ambiguous", check="weights") == 0
+    # A bystander of an ambiguous incident latches nothing.
+    bystander = make(identity=CPU_IDENT)
+    bystander.report(StepReport(step=4, incidents=(replay,)))
+    assert value(text_of(bystander), "sdc_suspect_ambiguous", check="replay") == 0
+
+
+def test_unknown_ambiguous_check_is_a_malformed_report(make: Any) -> None:
+    """An ambiguous_checks entry that is not a check is refused like any unknown check (counted as telemetry)."""
+    t = make()
+    t.report(StepReport(step=1, ambiguous_checks=("gradient",)))
+    assert value(text_of(t), "sdc_internal_errors_total", component="telemetry") == 1
 
 
 def test_nvml_missing_warns_once_and_exports_no_gpu_series(make: Any, monkeypatch: pytest.MonkeyPatch,
