@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -23,19 +25,36 @@ class IncidentLog:
     """Appends the incidents to ``<directory>/incidents.jsonl``: one JSON line when an episode opens
     (``"record": "incident"``) and one at each repeat milestone (``"record": "update"``: count, last step).
 
-    Only the writer rank holds a log (one writer per file). Each line is written with a single ``write`` to a file
-    opened ``O_APPEND`` and fsynced. The file only ever holds whole lines: a torn trailing fragment (a crash or a
-    full disk during an earlier write) is moved to ``incidents.jsonl.torn-<unix time>`` (kept for forensics) before
-    the first append, and a short write is cut back off before the error is raised.
+    Safe with concurrent writers (several jobs, or a restarted job next to a stale one, sharing the directory): every
+    append, and the repair of a torn tail, runs under an exclusive advisory lock on the file (``fcntl.flock``), so a
+    line is written whole (a single ``write`` to a file opened ``O_APPEND``, then fsynced) before another process
+    looks at the end of the file. The file only ever holds whole lines: a torn trailing fragment (a writer that
+    crashed or hit a full disk mid-record) is moved to a side file ``incidents.jsonl.torn-<time_ns>-<pid>`` (unique,
+    kept for forensics) before the next append, and only under the lock, so a record another process is still
+    writing is never taken for one. A failed write (``OSError``: a full disk, a short write, a failed fsync) is cut
+    back off and retried ``attempts`` times in all with a short backoff (``backoff_s``, doubling, the lock released
+    meanwhile); when every attempt failed the error is raised (the monitor logs it and counts it in
+    ``sdc_internal_errors_total{component="incident_log"}``): a record is never lost silently.
     """
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(self, directory: str | os.PathLike[str], *, attempts: int = 4, backoff_s: float = 0.02) -> None:
+        if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+            raise ValueError(f"attempts must be an int >= 1, got {attempts!r}")
+        if not isinstance(backoff_s, (int, float)) or not 0 <= backoff_s <= 1:
+            raise ValueError(f"backoff_s must be a number of seconds in [0, 1], got {backoff_s!r}")
         self.path = Path(directory) / INCIDENT_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.attempts = attempts
+        self.backoff_s = float(backoff_s)
         self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         self._finalizer = weakref.finalize(self, os.close, self._fd)  # no leaked descriptor without close()
-        self.torn: Path | None = None
-        self._repair()
+        self.torn: Path | None = None  # the side file of the last repair, if any
+        try:
+            with self._locked():
+                self._repair()
+        except BaseException:
+            self.close()
+            raise
 
     def append(self, incident: Incident) -> None:
         self._write({"record": "incident", **incident.to_dict()})
@@ -51,20 +70,38 @@ class IncidentLog:
             self._finalizer()
             self._fd = None
 
+    # -- writing -------------------------------------------------------------------------------------------------
+
     def _write(self, record: dict[str, Any]) -> None:
         if self._fd is None:
             raise RuntimeError(f"incident log {self.path} is closed")
         line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
+        for attempt in range(1, self.attempts + 1):
+            try:
+                with self._locked():
+                    self._repair()  # a writer that crashed mid-record since: our line starts on a line of its own
+                    self._write_line(line)
+                return
+            except OSError as e:
+                if attempt == self.attempts:
+                    raise OSError(e.errno, f"writing a record to {self.path} failed {self.attempts} times, the last: "
+                                           f"{e.strerror or e}") from e
+                log.warning("sdc_telemetry: writing a record to %s failed (%s); retrying (%d of %d)", self.path,
+                            e.strerror or e, attempt + 1, self.attempts)
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+
+    def _write_line(self, line: bytes) -> None:
+        """Append ``line`` whole (lock held): on any error the file is cut back to where it was."""
+        assert self._fd is not None
         before = os.fstat(self._fd).st_size
         try:
             written = os.write(self._fd, line)
+            if written != len(line):  # a short write on a full disk: cut it off so that the file keeps whole lines
+                raise OSError(errno.ENOSPC, f"short write: {written} of {len(line)} bytes (removed again)")
+            os.fsync(self._fd)
         except OSError:
             self._truncate(before)
             raise
-        if written != len(line):  # a short write on a full disk: cut it off so that the file keeps whole lines
-            self._truncate(before)
-            raise OSError(f"short write to {self.path}: {written} of {len(line)} bytes (removed again)")
-        os.fsync(self._fd)
 
     def _truncate(self, size: int) -> None:
         assert self._fd is not None
@@ -73,13 +110,17 @@ class IncidentLog:
         except OSError:
             log.exception("sdc_telemetry: could not cut a partial record off %s", self.path)
 
+    def _locked(self) -> _Lock:
+        assert self._fd is not None
+        return _Lock(self._fd)
+
+    # -- repair --------------------------------------------------------------------------------------------------
+
     def _repair(self) -> None:
+        """Move a torn trailing fragment aside (lock held: no live writer is in the middle of a record)."""
         assert self._fd is not None
         size = os.fstat(self._fd).st_size
-        if size == 0:
-            return
-        tail_from = max(0, size - 1)
-        if os.pread(self._fd, 1, tail_from) == b"\n":
+        if size == 0 or os.pread(self._fd, 1, size - 1) == b"\n":
             return
         # Find the end of the last whole line: everything after it is a torn fragment.
         end, pos, chunk = 0, size, 1 << 16
@@ -92,9 +133,41 @@ class IncidentLog:
                 break
             pos = start
         fragment = os.pread(self._fd, size - end, end)
-        self.torn = self.path.with_name(f"{INCIDENT_FILE}.torn-{int(time.time())}")
-        self.torn.write_bytes(fragment)
+        torn = self._side_file(fragment)
         os.ftruncate(self._fd, end)
         os.fsync(self._fd)
+        self.torn = torn
         log.warning("sdc_telemetry: %s ended in a torn record (%d bytes, an interrupted write): moved to %s",
-                    self.path, len(fragment), self.torn)
+                    self.path, len(fragment), torn)
+
+    def _side_file(self, fragment: bytes) -> Path:
+        """Write ``fragment`` durably to a new side file whose name no other repair uses."""
+        for n in range(100):
+            suffix = f"-{n}" if n else ""
+            path = self.path.with_name(f"{INCIDENT_FILE}.torn-{time.time_ns()}-{os.getpid()}{suffix}")
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                continue
+            try:
+                view = memoryview(fragment)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return path
+        raise OSError(errno.EEXIST, f"no unused side file name for a torn record of {self.path}")
+
+
+class _Lock:
+    """An exclusive ``flock`` on the incident file for the duration of a ``with`` block."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def __enter__(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
