@@ -1,10 +1,15 @@
-"""SDCMonitor: runs the checks at the end of each training step and hands one result to response and telemetry.
+"""SDCMonitor: drives one training step through the checks and hands one result to the sinks.
 
-The per-step path reads straight::
+The per-step path, in this file, reads straight::
 
-    measure (comm hook + one pass after backward)  ->  one all-reduce of a fixed status vector (MAX/MIN)
+    open_step -> (backward: the layout's tap measures local gradients) -> end_step:
+      measure (thin tensor code)  ->  one agreement (all-reduce of the fixed-size status vector, MAX/MIN)
       ->  decide (pure; per-rank detail gathered only when a field disagrees)  ->  replay on audit steps
-      ->  episodes (incidents)  ->  one StepReport to telemetry  ->  raise on every rank, if configured
+      ->  episodes (incidents)  ->  one StepReport  ->  sinks (telemetry, incident log, pager)
+      ->  SDCDetected on every rank, if configured
+
+The monitor never asks what kind of model it has: its Layout (``sdc_telemetry.parallel``) says where gradients are
+read, which ranks hold replicas of which tensor, and how a replica recomputes a micro-batch.
 
 Every collective runs at the end of ``with monitor.step()`` (or ``StepContext.end()``), a point every rank reaches
 before ``optimizer.step()``: a GradScaler that skips the update on one rank, or a loop that skips a step on a bad
@@ -13,9 +18,10 @@ loss, cannot make the ranks' collectives diverge.
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,21 +29,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from sdc_telemetry.checks import grad as grad_check
 from sdc_telemetry.checks.replay import ReplayCheck
 from sdc_telemetry.checks.weights import WeightsCheck
+from sdc_telemetry.core import status as S
 from sdc_telemetry.core.certificate import WeightCertificate, format_fingerprint
-from sdc_telemetry.core.collective import Agreement, agree, gather_objects, gather_rows, group_ranks
+from sdc_telemetry.core.collective import Agreement
 from sdc_telemetry.core.config import SDCConfig
 from sdc_telemetry.core.episodes import Episodes
-from sdc_telemetry.core.evidence import bits, unbits
 from sdc_telemetry.core.findings import Finding
 from sdc_telemetry.core.identity import RankIdentity, numerics_signature
 from sdc_telemetry.core.incident import Incident, SDCDetected
-from sdc_telemetry.parallel import fsdp
-from sdc_telemetry.sinks.incident_log import IncidentLog
+from sdc_telemetry.core.setup import agree_setup, resolve_mode
+from sdc_telemetry.parallel import layout_for
+from sdc_telemetry.sinks import Sinks
 from sdc_telemetry.sinks.observer import Observer, ReplayDeltas, StepReport
 from sdc_telemetry.step import NO_BATCH, StepContext
 
@@ -46,11 +52,6 @@ __all__ = ["SDCMonitor"]
 log = logging.getLogger("sdc_telemetry")
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
-
-# The step's status vector: one int64 per field, agreed by MAX and MIN over the group in one all-reduce.
-(STEP, LOCAL_MEASURED, LOCAL_NONFINITE, REDUCED_MEASURED, REDUCED_NONFINITE, ERROR, REPEATED, REPLAYABLE, SCALER,
- WEIGHTS_ERROR, DIGEST) = range(11)
-FIELDS = 11
 
 
 @dataclass
@@ -70,7 +71,8 @@ class _Measured:
 
 
 class SDCMonitor:
-    """Silent-data-corruption checks for a training loop: DDP across ranks, or a plain module in one process.
+    """Silent-data-corruption checks for a training loop: DDP or FSDP2/HSDP across ranks, or a plain module in one
+    process.
 
     >>> monitor = SDCMonitor(ddp_model, optimizer, loss_fn=compute_loss,            # doctest: +SKIP
     ...                      config=SDCConfig(weights_every=1, replay_every=50, on_suspect="raise"))
@@ -84,45 +86,19 @@ class SDCMonitor:
     Construction, the end of every step, ``verify_weights()`` and ``certificate()`` are collective: every rank of
     the replica group calls them in the same order. ``start_step`` is the index of the first step (resume).
     ``replica_group`` defaults to the DDP model's process group. If the model already needs a comm hook, pass it as
-    ``comm_hook=`` (with ``comm_state=``) instead of registering it: the monitor wraps it. ``observer`` replaces the
-    telemetry built from the config; ``registry``, ``meter_provider`` and ``nvml`` are handed to that telemetry.
+    ``comm_hook=`` (with ``comm_state=``) instead of registering it: the monitor wraps it. ``sinks`` replaces what
+    the config would build (``sdc_telemetry.sinks.Sinks``); ``observer`` replaces only the telemetry, and
+    ``registry``, ``meter_provider`` and ``nvml`` are handed to the telemetry the config builds.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: LossFn | None = None, config: SDCConfig | None = None, *, start_step: int = 0,
-                 replica_group: dist.ProcessGroup | None = None,
-                 comm_hook: grad_check.CommHook | None = None, comm_state: Any = None,
-                 observer: Observer | None = None, registry: Any = None, meter_provider: Any = None,
-                 nvml: Any = None) -> None:
+                 replica_group: dist.ProcessGroup | None = None, comm_hook: Any = None, comm_state: Any = None,
+                 sinks: Sinks | None = None, observer: Observer | None = None, registry: Any = None,
+                 meter_provider: Any = None, nvml: Any = None) -> None:
         self._closed = True  # until construction succeeds: close() then does nothing
-        initialised = dist.is_available() and dist.is_initialized()
-        self._layout: fsdp.FSDPLayout | None = None
-        if isinstance(model, torch.nn.Module) and fsdp.is_fully_sharded(model):
-            if not initialised:
-                raise RuntimeError("SDCMonitor needs the initialised process group of the fully_shard-ed model")
-            if comm_hook is not None or replica_group is not None:
-                raise ValueError("comm_hook= and replica_group= are for DDP models; a fully_shard-ed model's groups "
-                                 "come from its device mesh")
-            self._layout = fsdp.layout_of(model)
-            covered = self._layout.shard_size * self._layout.replicas
-            if covered != dist.get_world_size():
-                raise fsdp.LayoutError(f"the model's device mesh covers {covered} of {dist.get_world_size()} ranks: "
-                                       "it must span every rank")
-            self._distributed = True
-        elif isinstance(model, DistributedDataParallel):
-            if not initialised:
-                raise RuntimeError("SDCMonitor needs an initialised process group for a DDP model: call "
-                                   "torch.distributed.init_process_group() first (torchrun sets up the environment)")
-            self._distributed = True
-        elif isinstance(model, torch.nn.Module):
-            if initialised and dist.get_world_size() > 1:
-                raise TypeError(f"SDCMonitor needs a torch.nn.parallel.DistributedDataParallel model when "
-                                f"torch.distributed runs {dist.get_world_size()} ranks, got {type(model).__name__}; "
-                                "wrap it first: DistributedDataParallel(model)")
-            self._distributed = False
-        else:
-            raise TypeError(f"model must be a torch.nn.Module (DistributedDataParallel-wrapped across ranks), got "
-                            f"{type(model).__name__}")
+        self.layout = layout = layout_for(model, replica_group=replica_group, comm_hook=comm_hook,
+                                          comm_state=comm_state)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
@@ -130,35 +106,20 @@ class SDCMonitor:
         self.config = config if config is not None else SDCConfig.from_env()
         if not isinstance(self.config, SDCConfig):
             raise TypeError(f"config must be an SDCConfig, got {type(self.config).__name__}")
-        module = model.module if isinstance(model, DistributedDataParallel) else model
-        if not self._distributed and comm_hook is not None:
-            raise ValueError("comm_hook= wraps a DDP all-reduce; a plain module has none")
-        self.model = model
-        self.module: torch.nn.Module = module
-        self.optimizer = optimizer
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if sinks is not None and observer is not None:
+            raise ValueError("pass sinks= or observer=, not both (sinks= carries its own observer)")
+        self.model, self.module, self.optimizer = model, layout.module, optimizer
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no parameters that require gradients: nothing to check")
         self._params = [p for _, p in named]
         self._names = [n for n, _ in named]
         self.device = self._params[0].device
-        if self._layout is not None:
-            self._group: dist.ProcessGroup | None = None  # the mesh spans the world
-            self._ranks = group_ranks(None)
-            self.rank = dist.get_rank()
-        elif self._distributed:
-            assert isinstance(model, DistributedDataParallel)
-            self._group = replica_group if replica_group is not None else model.process_group
-            self._ranks = group_ranks(self._group)
-            self.rank = dist.get_rank()
-        else:
-            self._group, self._ranks, self.rank = None, [0], 0
-        self._world = len(self._ranks)
-        self._pos = self._ranks.index(self.rank)
-        self._writer = self._pos == 0
-        replicas = self._world > 1
+        self.rank, self._ranks, self._world = layout.rank, layout.ranks, layout.world
+        self._writer = layout.position == 0
+        replicas = layout.replicas
         if replicas and self.config.replay_every and any(isinstance(m, torch.nn.SyncBatchNorm)
-                                                         for m in module.modules()):
+                                                         for m in self.module.modules()):
             raise ValueError("SyncBatchNorm computes its statistics across ranks, so a replay of one rank's "
                              "micro-batch cannot reproduce it; set SDCConfig(replay_every=0) for this model")
         if replicas and self.config.replay_every and loss_fn is None:
@@ -167,63 +128,56 @@ class SDCMonitor:
                              "replay_every=0")
 
         self.identity = RankIdentity.local(self.device if self.device.type == "cuda" else None)
-        self._incident_log, log_error = self._open_incident_log()
-        signature = numerics_signature(self.device)
-        classes = self._setup(start_step, signature, log_error)
-        self.identities: dict[int, RankIdentity] = {self.rank: self.identity}
-        if self._distributed:
-            gathered = gather_objects(self.identity, self._group)
-            self.identities = {i.rank: i for i in gathered if isinstance(i, RankIdentity)}
-        self.mode = self._resolve_mode(classes)
+        self.sinks = sinks if sinks is not None else Sinks.from_config(
+            self.config, self.identity, writer=self._writer, observer=observer, registry=registry,
+            meter_provider=meter_provider, nvml=nvml)
+        self.sinks.rank = self.rank
+        try:
+            classes = agree_setup(layout.group, layout.distributed, self.config, start_step,
+                                  numerics_signature(self.device), self.device, self.sinks.log_error)
+            gathered = layout.gather_objects(self.identity)
+        except BaseException:
+            self.sinks.close()  # nothing keeps a port or a file open after a failed construction
+            raise
+        self.identities: dict[int, RankIdentity] = {i.rank: i for i in gathered if isinstance(i, RankIdentity)}
+        self.mode = resolve_mode(self.config, classes, self.device, self._writer)
         self.incidents: list[Incident] = []
         self._episodes = Episodes(self.incidents)
-        self._observer = observer if observer is not None else self._build_telemetry(registry, meter_provider, nvml)
-        self._pager = self._build_pager()
 
-        # Every parameter, frozen ones included (LoRA-style fine-tuning freezes most weights; they must still agree).
-        # Sharded models compare local shards, among the replicas of the same shard (HSDP); a 1-D FSDP mesh holds
-        # no replica of a shard, so there the weight check has nothing to compare.
-        layout = self._layout
-        # FSDP2: every position's shard index (set-up, once): shards are compared among their replicas only.
-        self._shard_of = [r[0] for r in gather_rows(torch.tensor([layout.shard_index], dtype=torch.int64),
-                                                    self._group, self.device)] if layout is not None else None
-        self._weights = None
-        if replicas and (layout is None or layout.hsdp):
-            self._weights = WeightsCheck(list(module.named_parameters()), self._group, self._ranks,
-                                         self._shard_classes(classes) if layout is not None else classes,
-                                         local=_local_shard if layout is not None else None)
-        elif layout is not None and self.config.weights_every and self._writer:
-            log.warning("sdc_telemetry: a 1-D FSDP mesh holds no replica of any shard: the weight check has "
-                        "nothing to compare and is off (HSDP, a (replicate, shard) mesh, has replicas)")
-        self._replay = ReplayCheck(module, loss_fn, named, self._group, self._ranks, self.identities,
+        # Every parameter, frozen ones included (LoRA-style fine-tuning freezes most weights; they must still agree),
+        # each read as this rank holds it, among the ranks that hold the same tensor.
+        self._weights = WeightsCheck(list(self.module.named_parameters()), layout.group, self._ranks,
+                                     layout.weight_classes(classes), local=layout.local) \
+            if layout.weight_replicas else None
+        reason = layout.weights_off_reason()
+        if replicas and reason and self.config.weights_every and self._writer:
+            log.warning("sdc_telemetry: %s", reason)
+        self._replay = ReplayCheck(self.module, loss_fn, named, layout.group, self._ranks, self.identities,
                                    self.device, self.mode, self.config.tolerance, self.config.replay_every,
-                                   layout=layout) \
+                                   recompute=layout.recompute if layout.lockstep else None) \
             if replicas and self.config.replay_every and loss_fn is not None else None
         self._record = grad_check.GradRecord(self._params, self.device)
-        self._hook_state: grad_check.CommHookState | None = None
-        self._tap: fsdp.GradTap | None = None
-        if layout is not None:
-            record = self._record
-            self._tap = fsdp.GradTap(layout, self._params, record.store, lambda: record.detail, record.note_call,
-                                     record.fail)
-        elif self._distributed:
-            self._install_comm_hook(comm_hook, comm_state)
+        self._grad = grad_check.GradCheck(self._ranks, self.rank, self._names, layout.reduces, layout.shard_of,
+                                          gather=lambda row: layout.gather_rows(row, self.device),
+                                          gather_objects=layout.gather_objects)
+        layout.install(self._record)
         self._handles = [optimizer.register_step_post_hook(self._after_update)]
 
         self._next_step = start_step
         self._step = start_step - 1
         self._pending: _Measured | None = None
         self._absent: torch.Tensor | None = None
-        self._minority: tuple[tuple[int, ...], int] = ((), 0)  # ranks non-finite alone, and for how many steps
         # On CUDA, read healthy verdicts one step later rather than wait for the GPU (the same on every rank).
         self._defer_verdicts = self.device.type == "cuda"
         self._open = False
+        self._abandoned = False  # a step's block raised: the ranks' collectives can no longer be matched
         self._scaler_used = False
         self._ended_since_update = True
+        self._last_passing_audit: int | None = None
         self._warned: set[str] = set()
         self._closed = False
         if self._writer:
-            self._announce(replicas)
+            self._announce()
 
     # -- public --------------------------------------------------------------------------------------------------
 
@@ -244,6 +198,11 @@ class SDCMonitor:
     def current_step(self) -> int:
         """Index of the step in progress (or last finished); ``start_step - 1`` before the first step."""
         return self._step
+
+    @property
+    def last_passing_audit(self) -> int | None:
+        """The step of the last replay audit that passed on every rank (None before the first)."""
+        return self._last_passing_audit
 
     def verify_weights(self) -> Incident | None:
         """Run the weight check now on every rank, whatever ``weights_every`` is (call it before saving a
@@ -267,46 +226,55 @@ class SDCMonitor:
         """Certify the weights for a checkpoint: collective, call it on every rank (not under ``if rank == 0``).
 
         Runs the weight check first (an incident when replicas disagree, handled like ``verify_weights()``), then
-        returns the step and every parameter's fingerprint, keyed by the unwrapped module's parameter names. When
-        the replicas disagree but a majority agrees, the certificate holds the majority's fingerprints, so that the
-        checkpoint of a corrupted rank does not verify; with no majority there is nothing to certify and
-        ``SDCDetected`` is raised whatever ``on_suspect`` says. A fully_shard-ed model is certified as whole
-        tensors (gathered from the shards: plan the memory of one full copy) so that it verifies against a full
-        state dict; a disagreement there always raises.
+        returns the step and every parameter's fingerprint, keyed by the unwrapped module's parameter names, with
+        ``last_passing_audit`` (the step of the last replay audit that passed on every rank). While a hardware
+        episode is open (a suspect named and not cleared by a later pass), nothing is certified: ``SDCDetected``
+        is raised whatever ``on_suspect`` says. When the replicas disagree but a majority agrees, the certificate
+        holds the majority's fingerprints, so that the checkpoint of a corrupted rank does not verify. A sharded
+        model is certified as whole tensors (gathered one at a time) so that it verifies against a full state dict.
 
         >>> cert = monitor.certificate()                                             # doctest: +SKIP
         >>> torch.save({"model": model.module.state_dict(), "sdc_certificate": cert.to_dict()}, path)  # doctest: +SKIP
         """
         self._require_open_monitor("certificate")
         incident = self.verify_weights()
-        named = list(self.module.named_parameters())
         step = max(self._step, 0)
-        if self._layout is not None:  # whole tensors, gathered from the shards on every rank (collective)
-            named = [(n, p.full_tensor()) for n, p in named]  # type: ignore[operator,attr-defined]
+        others = [i for i in self._episodes.open_hardware() if i.check != "weights"]
+        if others:  # the same on every rank: episodes are decided from agreed data
+            raise SDCDetected(others[0])
+        named = list(self.layout.whole(list(self.module.named_parameters())))
         if incident is None or self._weights is None:
-            return WeightCertificate.from_tensors(step, named, world_size=self._world)
+            return self._certified(WeightCertificate.from_tensors(step, named, world_size=self._world))
         majority = self._weights.majority
-        if majority is None or self._layout is not None:  # no majority of whole tensors to certify
+        if majority is None or self.layout.shard_of is not None:  # no majority of whole tensors to certify
             raise SDCDetected(incident)
-        return WeightCertificate(step=step, fingerprints={n: format_fingerprint(row)
-                                                          for (n, _), row in zip(named, majority, strict=True)},
-                                 shapes={n: tuple(p.shape) for n, p in named},
-                                 dtypes={n: str(p.dtype).removeprefix("torch.") for n, p in named},
-                                 world_size=self._world)
+        return self._certified(WeightCertificate(
+            step=step, fingerprints={n: format_fingerprint(row) for (n, _), row in zip(named, majority, strict=True)},
+            shapes={n: tuple(p.shape) for n, p in named},
+            dtypes={n: str(p.dtype).removeprefix("torch.") for n, p in named}, world_size=self._world))
+
+    def _certified(self, cert: WeightCertificate) -> WeightCertificate:
+        if "last_passing_audit" not in {f.name for f in dataclasses.fields(cert)}:
+            return cert
+        return dataclasses.replace(cert, last_passing_audit=self._last_passing_audit)  # type: ignore[call-arg]
 
     def close(self) -> None:
         """Remove the hooks, flush a pending page (bounded), mark telemetry closed. A second call does nothing.
 
-        Collective when a verdict is still in flight (CUDA reads healthy verdicts one step later): it is decided
-        first, so with ``on_suspect="raise"`` the last step's incident can raise ``SDCDetected`` from here (the
-        monitor is closed either way). The comm hook stays registered (DDP cannot remove it) but only forwards to
-        the wrapped all-reduce."""
+        Collective when a verdict is still in flight (CUDA reads healthy verdicts one step later) and the loop ended
+        normally: it is decided first, so with ``on_suspect="raise"`` the last step's incident can raise
+        ``SDCDetected`` from here (the monitor is closed either way). On an exception path (called while an
+        exception propagates, after ``SDCDetected``, or after a step's block raised) it runs no collective and never
+        raises. The comm hook stays registered (DDP cannot remove it) but only forwards to the wrapped all-reduce."""
         if self._closed:
             return
+        unwinding = sys.exc_info()[0] is not None or self._abandoned
         try:
-            self._settle()  # a verdict still in flight (CUDA) is decided, and raised, before the monitor stops
+            if not unwinding:
+                self._settle()  # a verdict still in flight (CUDA) is decided, and raised, before the monitor stops
         finally:
             self._closed = True
+            self._pending = None
             self._stop()
 
     def _stop(self) -> None:
@@ -314,25 +282,21 @@ class SDCMonitor:
             h.remove()
         if self._replay is not None:
             self._replay.close()
-        if self._hook_state is not None:
-            self._hook_state.enabled = False
-        if self._tap is not None:
-            self._tap.enabled = False
-        if self._pager is not None:
-            self._guard("alertmanager", self._pager.close)
-        if self._incident_log is not None:
-            self._incident_log.close()
-        self._guard("telemetry", self._observer.close)
+        self.layout.disable()
+        self.sinks.close()
 
     def __enter__(self) -> SDCMonitor:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is not None:
+            self._abandoned = True  # an exception path: no collective, nothing raised over it
         self.close()
 
-    # -- the step (called by StepContext) ------------------------------------------------------------------------
+    # -- the step: the surface StepContext uses ------------------------------------------------------------------
 
-    def _open_step(self) -> int:
+    def open_step(self) -> int:
+        """Open the next step (``StepContext.begin``); returns its index."""
         self._require_open_monitor("step")
         if self._open:
             raise RuntimeError(f"monitor.step() opened while step {self._step} is still open: end each step's "
@@ -345,25 +309,28 @@ class SDCMonitor:
             self._replay.begin_step(self._step)
         return self._step
 
-    def _micro_batch(self, batch: Any) -> None:
+    def capture(self, batch: Any) -> None:
+        """Register the step's next micro-batch (``StepContext.micro_batch``)."""
         if self._replay is not None:
             self._replay.capture(batch)
 
-    def _record_loss(self, loss: torch.Tensor, scale: float, grad_scale: torch.Tensor | None) -> None:
+    def record_loss(self, loss: torch.Tensor, scale: float, grad_scale: torch.Tensor | None) -> None:
+        """A micro-batch's loss as it is backpropagated (``StepContext.backward``/``record_loss``)."""
         if grad_scale is not None:
             self._scaler_used = True
         if self._replay is not None:
             self._replay.record_loss(loss, scale, grad_scale)
 
-    def _abandon_step(self) -> None:
+    def abandon_step(self) -> None:
         """The step's block raised on this rank: no checks (the other ranks' collectives cannot be matched)."""
         self._open = False
+        self._abandoned = True
         self._next_step = self._step + 1
         if self._replay is not None:
             self._replay.drop()
 
-    def _end_step(self) -> None:
-        """The end of the step on every rank: measure, agree, decide, respond.
+    def end_step(self) -> None:
+        """The end of the step on every rank (``StepContext.end``): measure, agree, decide, respond.
 
         On CUDA a healthy step's verdict is read one step later (the agreement's result lands in pinned memory
         behind an event), so the CPU never waits for the GPU here; an audit step, ``verify_weights()``,
@@ -392,6 +359,88 @@ class SDCMonitor:
         if raised is not None:
             raise raised
 
+    # -- measuring -----------------------------------------------------------------------------------------------
+
+    def _measure(self, step: int, *, weights: bool, audit: bool = False, snapshot: bool = False,
+                 grads: bool = True) -> _Measured:
+        """This rank's measurements and the launched agreement (no host synchronisation). ``snapshot`` keeps copies
+        of what the next step overwrites, for a verdict read one step later; ``grads=False`` (an on-demand weight
+        check) measures the weights only."""
+        start = time.perf_counter()
+        host = [0] * S.FIELDS
+        host[S.STEP] = step
+        host[S.SCALER] = int(self._scaler_used)
+        nonfinite = torch.zeros(2, dtype=torch.int64, device=self.device)
+        digest = torch.zeros(1, dtype=torch.int64, device=self.device)
+        norms = torch.full((2,), math.nan, dtype=torch.float64, device=self.device)  # local, reduced
+        record, layout = self._record, self.layout
+        reduced_s = 0.0
+        try:
+            if grads and self.config.grad_checks:
+                layout.after_backward(record)
+            if grads and (self.config.grad_checks or audit):
+                host[S.LOCAL_MEASURED] = int(record.measured)
+                host[S.REPEATED] = int(record.repeated)
+                if record.measured:
+                    local_norm = record.total_norm()
+                    nonfinite[0] = ~torch.isfinite(local_norm)
+                    norms[0] = local_norm
+                if self.config.grad_checks and layout.reduces:
+                    t = time.perf_counter()
+                    reduced_norm = torch.linalg.vector_norm(grad_check.reduced_norms(self._params, self.device,
+                                                                                     view=layout.local))
+                    reduced_s = time.perf_counter() - t
+                    host[S.REDUCED_MEASURED] = int(any(p.grad is not None for p in self._params))
+                    nonfinite[1] = ~torch.isfinite(reduced_norm)
+                    norms[1] = reduced_norm
+            host[S.REPLAYABLE] = int(audit and self._replay is not None and self._replay.ready())
+        except Exception:  # noqa: BLE001 - contained; the agreement below must still run on this rank
+            self._internal_error("grad", "measuring gradients failed")
+            host[S.ERROR] = 1
+        table = None
+        weights_s = 0.0
+        if weights:
+            t = time.perf_counter()
+            try:
+                if self._weights is None:
+                    raise RuntimeError("no replicas to compare")
+                digest = self._weights.measure().reshape(1)
+                table = self._weights.table
+            except Exception:  # noqa: BLE001
+                self._internal_error("weights", "fingerprinting the parameters failed")
+                host[S.WEIGHTS_ERROR] = 1
+            weights_s = time.perf_counter() - t
+        vec = self._status_vector(host, nonfinite, digest)
+        agreement = Agreement(vec, layout.group, layout.distributed, local=norms, absent=self._absent)
+        elapsed = time.perf_counter() - start
+        # grad_local: the tap's measurements during backward and the local part here; grad_reduced: its pass.
+        durations = {"grad_local": record.elapsed + elapsed - reduced_s - weights_s, "grad_reduced": reduced_s,
+                     "weights": weights_s}
+        return _Measured(step=step, mine=host, agreement=agreement, weights_due=weights, audit=audit, table=table,
+                         norms=record.norms.clone() if snapshot else record.norms, durations=durations,
+                         grads=grads)
+
+    def _status_vector(self, host: list[int], nonfinite: torch.Tensor, digest: torch.Tensor) -> torch.Tensor:
+        """The fixed fields, then the layout's digest slots (one per shard index, the others absent)."""
+        slots = self.layout.digest_slots
+        fixed = torch.tensor(host + [0] * slots, dtype=torch.int64)
+        # Pinned and non-blocking on CUDA: building the vector never waits for the GPU.
+        vec = fixed.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else fixed
+        vec[S.LOCAL_NONFINITE] = nonfinite[0]
+        vec[S.REDUCED_NONFINITE] = nonfinite[1]
+        if not slots:
+            vec[S.DIGEST] = digest[0]
+            return vec
+        vec[S.FIELDS + self.layout.digest_slot] = digest[0]
+        if self._absent is None:  # made once: a constant mask, no host-to-device copy per step
+            mask = torch.ones(S.FIELDS + slots, dtype=torch.bool)
+            mask[:S.FIELDS] = False
+            mask[S.FIELDS + self.layout.digest_slot] = False
+            self._absent = mask.to(vec.device)
+        return vec
+
+    # -- deciding ------------------------------------------------------------------------------------------------
+
     def _settle(self) -> None:
         """Decide a deferred step now (before an on-demand check or closing)."""
         pending, self._pending = self._pending, None
@@ -404,16 +453,19 @@ class SDCMonitor:
         durations = dict(m.durations)
         results: dict[str, str] = {}
         findings: list[Finding] = []
-        if high[STEP] != low[STEP]:
+        if high[S.STEP] != low[S.STEP]:
             self._warn_once("out-of-step", "sdc_telemetry: ranks disagree on the step index (%d..%d): the training "
-                            "loops are out of step; checks of this step are counted as errors", low[STEP], high[STEP])
+                            "loops are out of step; checks of this step are counted as errors",
+                            low[S.STEP], high[S.STEP])
             due = [*(("grad_local", "grad_reduced") if self.config.grad_checks else ()),
                    *(("weights",) if m.weights_due else ()), *(("replay",) if m.audit else ())]
             self._conclude(m, [], dict.fromkeys(due, "error"), {}, errors=("monitor",))
             return
         if self.config.grad_checks:
-            finding = self._grad_verdict(m, high, low)
-            results.update(self._grad_results(m, finding))
+            finding = self.sinks.guard("grad", self._grad.verdict, high, low, m.mine, tuple(m.agreement.local()),
+                                       m.norms, S.GRAD_FIELDS, bool(high[S.SCALER]))
+            results.update(self._grad.results(bool(m.mine[S.ERROR]), bool(m.mine[S.LOCAL_MEASURED]),
+                                              bool(m.mine[S.REDUCED_MEASURED]), finding))
             if finding is not None:
                 findings.append(finding)
         weights_agree: bool | None = None
@@ -437,19 +489,21 @@ class SDCMonitor:
                 findings.append(finding)
         durations = {c: durations.get(c, 0.0) for c in results}
         errors = ("replay",) if results.get("replay") == "error" else ()
-        self._conclude(m, findings, results, durations, passed=self._agreed_passes(high, low, findings, results),
-                       replay=replay, weights_agree=weights_agree, errors=errors)
+        passed = self._agreed_passes(high, low, findings, results)
+        if "replay" in passed:
+            self._last_passing_audit = m.step
+        self._conclude(m, findings, results, durations, passed=passed, replay=replay, weights_agree=weights_agree,
+                       errors=errors)
 
     def _agreed_passes(self, high: list[int], low: list[int], findings: list[Finding], results: dict[str, str]
                        ) -> frozenset[str]:
         """The checks that passed on every rank, from data every rank shares (results may differ by rank)."""
         found = {f.check for f in findings}
-        clean = not high[ERROR]
         passed = set()
-        if self.config.grad_checks and clean and not found & {"grad_local", "grad_reduced"}:
-            if low[LOCAL_MEASURED]:
+        if self.config.grad_checks and not high[S.ERROR] and not found & {"grad_local", "grad_reduced"}:
+            if low[S.LOCAL_MEASURED]:
                 passed.add("grad_local")
-            if self._distributed and low[REDUCED_MEASURED]:
+            if self.layout.reduces and low[S.REDUCED_MEASURED]:
                 passed.add("grad_reduced")
         if results.get("weights") == "pass":  # decided from the agreement: the same on every rank
             passed.add("weights")
@@ -457,142 +511,14 @@ class SDCMonitor:
             passed.add("replay")  # the replay's error list is gathered: the same on every rank
         return frozenset(passed)
 
-    # -- measuring -----------------------------------------------------------------------------------------------
-
-    def _measure(self, step: int, *, weights: bool, audit: bool = False, snapshot: bool = False,
-                 grads: bool = True) -> _Measured:
-        """This rank's measurements and the launched agreement (no host synchronisation). ``snapshot`` keeps copies
-        of what the next step overwrites, for a verdict read one step later; ``grads=False`` (an on-demand weight
-        check) measures the weights only."""
-        start = time.perf_counter()
-        host = [0] * FIELDS
-        host[STEP] = step
-        host[SCALER] = int(self._scaler_used)
-        nonfinite = torch.zeros(2, dtype=torch.int64, device=self.device)
-        digest = torch.zeros(1, dtype=torch.int64, device=self.device)
-        norms = torch.full((2,), math.nan, dtype=torch.float64, device=self.device)  # local, reduced
-        record = self._record
-        durations: dict[str, float] = {}
-        try:
-            if grads and not self._distributed and self.config.grad_checks:
-                record.measure_local()
-            if grads and (self.config.grad_checks or audit):
-                host[LOCAL_MEASURED] = int(record.measured)
-                host[REPEATED] = int(record.repeated)
-                if record.measured:
-                    local_norm = record.total_norm()
-                    nonfinite[0] = ~torch.isfinite(local_norm)
-                    norms[0] = local_norm
-                if self.config.grad_checks and self._distributed:
-                    t = time.perf_counter()
-                    reduced_norm = torch.linalg.vector_norm(grad_check.reduced_norms(
-                        self._params, self.device, local=self._layout is not None))
-                    durations["grad_reduced"] = time.perf_counter() - t
-                    host[REDUCED_MEASURED] = int(any(p.grad is not None for p in self._params))
-                    nonfinite[1] = ~torch.isfinite(reduced_norm)
-                    norms[1] = reduced_norm
-            host[REPLAYABLE] = int(audit and self._replay is not None and self._replay.ready())
-        except Exception:  # noqa: BLE001 - contained; the agreement below must still run on this rank
-            self._internal_error("grad", "measuring gradients failed")
-            host[ERROR] = 1
-        table = None
-        weights_s = 0.0
-        if weights:
-            t = time.perf_counter()
-            try:
-                if self._weights is None:
-                    raise RuntimeError("no replicas to compare")
-                digest = self._weights.measure().reshape(1)
-                table = self._weights.table
-            except Exception:  # noqa: BLE001
-                self._internal_error("weights", "fingerprinting the parameters failed")
-                host[WEIGHTS_ERROR] = 1
-            weights_s = time.perf_counter() - t
-        slots = self._slots()
-        fixed = torch.tensor(host + [0] * slots, dtype=torch.int64)
-        # Pinned and non-blocking on CUDA: building the vector never waits for the GPU.
-        vec = fixed.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else fixed
-        vec[LOCAL_NONFINITE] = nonfinite[0]
-        vec[REDUCED_NONFINITE] = nonfinite[1]
-        absent = None
-        if slots:  # HSDP: one digest slot per shard index, agreed among the replicas of that shard only
-            assert self._layout is not None
-            vec[FIELDS + self._layout.shard_index] = digest[0]
-            if self._absent is None:  # made once: a constant mask, no host-to-device copy per step
-                mask = torch.ones(FIELDS + slots, dtype=torch.bool)
-                mask[:FIELDS] = False
-                mask[FIELDS + self._layout.shard_index] = False
-                self._absent = mask.to(vec.device)
-            absent = self._absent
-        else:
-            vec[DIGEST] = digest[0]
-        agreement = Agreement(vec, self._group, self._distributed, local=norms, absent=absent)
-        elapsed = time.perf_counter() - start
-        # grad_local: the comm-hook measurements during backward and the local part here; grad_reduced: its pass.
-        durations = {"grad_local": record.elapsed + elapsed - durations.get("grad_reduced", 0.0) - weights_s,
-                     "grad_reduced": durations.get("grad_reduced", 0.0), "weights": weights_s}
-        return _Measured(step=step, mine=host, agreement=agreement, weights_due=weights, audit=audit, table=table,
-                         norms=record.norms.clone() if snapshot else record.norms, durations=durations,
-                         grads=grads)
-
-    # -- deciding ------------------------------------------------------------------------------------------------
-
-    def _grad_verdict(self, m: _Measured, high: list[int], low: list[int]) -> Finding | None:
-        if not (high[LOCAL_NONFINITE] or high[REDUCED_NONFINITE]):
-            self._minority = ((), 0)
-            return None
-        fields = (LOCAL_MEASURED, LOCAL_NONFINITE, REDUCED_MEASURED, REDUCED_NONFINITE)
-        if all(high[f] == low[f] for f in fields):  # every rank alike: no per-rank detail needed
-            rows = [grad_check.GradStatus(r, *(bool(high[f]) for f in fields)) for r in self._ranks]
-        else:  # rare path: who?
-            local, reduced = m.agreement.local()
-            mine = torch.tensor([m.mine[LOCAL_MEASURED], bits(local), bits(reduced)], dtype=torch.int64)
-            gathered = gather_rows(mine, self._group, self.device) if self._distributed else [mine.tolist()]
-            rows = []
-            for r, g in zip(self._ranks, gathered, strict=True):
-                loc, red = unbits(g[1]), unbits(g[2])
-                rows.append(grad_check.GradStatus(r, bool(g[0]), bool(g[0]) and not math.isfinite(loc),
-                                                  self._distributed, self._distributed and not math.isfinite(red),
-                                                  loc, red))
-        minority = grad_check.nonfinite_minority(rows)
-        repeats = self._minority[1] if minority and minority == self._minority[0] else 0
-        self._minority = (minority, repeats + 1 if minority else 0)
-        finding = self._guard("grad", grad_check.decide, rows, overflow_expected=bool(high[SCALER]),
-                              repeats=repeats, shard_of=self._shard_of)
-        if finding is not None and finding.suspect_ranks and finding.check == "grad_local":
-            finding = self._with_nonfinite_names(m, finding)
-        return finding  # type: ignore[no-any-return]
-
-    def _grad_results(self, m: _Measured, finding: Finding | None) -> dict[str, str]:
-        """This rank's results: a rank that measured nothing (or failed to) never counts a pass."""
-        if m.mine[ERROR]:
-            return {"grad_local": "error", **({"grad_reduced": "error"} if self._distributed else {})}
-        out = {"grad_local": "skipped" if not m.mine[LOCAL_MEASURED] else
-               "fail" if finding is not None and finding.check == "grad_local" else "pass"}
-        if self._distributed:
-            out["grad_reduced"] = "skipped" if not m.mine[REDUCED_MEASURED] else \
-                "fail" if finding is not None else "pass"
-        return out
-
-    def _with_nonfinite_names(self, m: _Measured, finding: Finding) -> Finding:
-        """Rare path: which parameters the suspects' local gradients (before any clipping) were non-finite in."""
-        mine: list[str] = []
-        if self.rank in finding.suspect_ranks:
-            mine = [self._names[i] for i, n in enumerate(m.norms.tolist()) if not math.isfinite(n)][:16]
-        names = gather_objects(mine, self._group) if self._distributed else [mine]
-        evidence = dict(finding.evidence)
-        evidence["nonfinite_parameters"] = {str(self._ranks[i]): n for i, n in enumerate(names)
-                                            if self._ranks[i] in finding.suspect_ranks}
-        return Finding(finding.check, finding.suspect_ranks, evidence)
-
     def _weights_verdict(self, m: _Measured, high: list[int], low: list[int]) -> tuple[Finding | None, str]:
         assert self._weights is not None
-        if high[WEIGHTS_ERROR]:
+        if high[S.WEIGHTS_ERROR]:
             if self._writer:
                 log.warning("sdc_telemetry: step %d: weight check could not run: a rank failed to fingerprint its "
                             "parameters", m.step)
-            return None, "error" if m.mine[WEIGHTS_ERROR] else "skipped"
-        if all(high[f] == low[f] for f in (DIGEST, *range(FIELDS, FIELDS + self._slots()))):
+            return None, "error" if m.mine[S.WEIGHTS_ERROR] else "skipped"
+        if S.digests_agree(high, low, self.layout.digest_slots):
             return None, "pass"
         assert m.table is not None
         finding = self._weights.gather(m.table)
@@ -604,12 +530,12 @@ class SDCMonitor:
         reason = None
         if findings:
             reason = "another check found a fault this step (replay compares healthy replicas only)"
-        elif high[REPEATED]:
+        elif high[S.REPEATED]:
             reason = ("a gradient bucket was all-reduced more than once in the step: with gradient accumulation, "
                       "run all but the last micro-batch under ddp_model.no_sync()")
-        elif not low[REPLAYABLE]:
+        elif not low[S.REPLAYABLE]:
             reason = "not every rank captured the step (use `with monitor.step(batch)` or step.micro_batch())"
-        elif not low[LOCAL_MEASURED] or high[ERROR]:
+        elif not low[S.LOCAL_MEASURED] or high[S.ERROR]:
             reason = "local gradients were not measured on every rank"
         if reason is not None:
             self._replay.drop()
@@ -636,34 +562,23 @@ class SDCMonitor:
                   *, passed: frozenset[str] = frozenset(), counts_step: bool = True,
                   replay: ReplayDeltas | None = None, weights_agree: bool | None = None,
                   errors: tuple[str, ...] = ()) -> list[Incident]:
-        """Episodes, the incident log, the page, telemetry, and ``SDCDetected`` on every rank when configured."""
-        step = m.step
-        opened, touched = self._episodes.observe(step, findings, passed, self._suspects)
+        """Episodes, then the sinks (log line, incident log, page, telemetry), then ``SDCDetected`` on every rank
+        when configured."""
+        opened, touched = self._episodes.observe(m.step, findings, passed, self._suspects)
         if opened and any(i.suspect_ranks for i in opened):
             self._attach_gpu_counters(opened)
         for incident in opened:
-            if self._writer:
-                (log.warning if incident.numerics else log.error)("%s", incident.describe())
-            if self._incident_log is not None:
-                self._guard("incident_log", self._incident_log.append, incident)
-            if self._pager is not None and incident.suspect_ranks:
-                self._guard("alertmanager", self._pager.page, incident)
+            self.sinks.opened(incident)
         for incident in touched:
-            if self._writer:
-                log.warning("sdc_telemetry: incident of step %d (check=%s) still ongoing at step %d: %d findings",
-                            incident.step, incident.check, incident.last_step, incident.count)
-            if self._incident_log is not None:
-                self._guard("incident_log", self._incident_log.update, incident)
-            if self._pager is not None and incident.suspect_ranks:
-                self._guard("alertmanager", self._pager.page, incident)
-        report = StepReport(step=step, counts_step=counts_step, results=results, durations=durations,
-                            grad_norms=self._grad_norms(m, results), replay=replay, weights_agree=weights_agree,
-                            incidents=tuple(opened),
-                            suspect_checks=tuple(i.check for i in opened if self.rank in i.suspect_ranks),
-                            errors=errors)
-        self._guard("telemetry", self._observer.report, report)
+            self.sinks.touched(incident)
+        mine = [i for i in opened if self.rank in i.suspect_ranks]
+        self.sinks.report(StepReport(
+            step=m.step, counts_step=counts_step, results=results, durations=durations,
+            grad_norms=self._grad_norms(m, results), replay=replay, weights_agree=weights_agree,
+            incidents=tuple(opened), suspect_checks=tuple(i.check for i in mine), errors=errors))
         raising = [i for i in opened if i.suspect_ranks]
         if raising and self.config.on_suspect == "raise":
+            self._abandoned = True  # the loop stops: close() must not run collectives the others never join
             raise SDCDetected(raising[0])
         return opened
 
@@ -686,8 +601,8 @@ class SDCMonitor:
 
         Collective, like the findings themselves: every rank reaches here with the same new incidents."""
         suspected = {r for i in incidents for r in i.suspect_ranks}
-        mine = self._guard("telemetry", self._observer.gpu_snapshot) if self.rank in suspected else None
-        snaps = gather_objects(mine, self._group) if self._distributed else [mine]
+        mine = self.sinks.gpu_snapshot() if self.rank in suspected else None
+        snaps = self.layout.gather_objects(mine)
         by_rank = {self._ranks[i]: s for i, s in enumerate(snaps) if s}
         for incident in incidents:
             counters = {str(r): by_rank[r] for r in incident.suspect_ranks[:16] if r in by_rank}
@@ -701,112 +616,16 @@ class SDCMonitor:
                             "block since the last update: no check runs for such steps")
         self._ended_since_update = False
 
-    # -- set-up --------------------------------------------------------------------------------------------------
-
-    def _setup(self, start_step: int, signature: int, log_error: str | None) -> list[int] | None:
-        """Collective set-up checks: configurations and start steps agree, the incident log opened, and whether
-        every rank has the same numerics signature. Returns per-position signature classes when they differ."""
-        config_hash = _hash64(repr(sorted(vars(self.config).items())) + f"|{start_step}")
-        vec = torch.tensor([config_hash, int(log_error is not None), signature], dtype=torch.int64)
-        if not self._distributed:
-            if log_error:
-                raise ValueError(log_error)
-            return None
-        high, low = agree(vec.to(self.device), self._group)
-        if high[1]:
-            msg = log_error or "the first rank of the group could not open SDCConfig.incident_dir"
-            raise ValueError(f"{msg} (every rank stops here)")
-        if high[0] != low[0]:
-            raise ValueError("SDCConfig or start_step differs between ranks: every rank must construct the monitor "
-                             "with the same settings (checks run on the same steps everywhere)")
-        if high[2] == low[2]:
-            return None
-        gathered = gather_rows(torch.tensor([signature], dtype=torch.int64), self._group, self.device)
-        classes = [r[0] for r in gathered]
-        if self._writer:
-            log.warning("sdc_telemetry: the ranks run on %d different hardware/software stacks: exact comparison only "
-                        "between ranks of the same stack; the replay compares with a calibrated tolerance",
-                        len(set(classes)))
-        return classes
-
-    def _slots(self) -> int:
-        """Digest slots of the status vector: one per shard index for HSDP, none otherwise (one DIGEST field)."""
-        return self._layout.shard_size if self._layout is not None and self._layout.hsdp else 0
-
-    def _shard_classes(self, classes: list[int] | None) -> list[tuple[int, int]]:
-        """Per position: (numerics class, shard index): weights are compared among replicas of the same shard."""
-        assert self._shard_of is not None
-        return [(classes[i] if classes is not None else 0, shard) for i, shard in enumerate(self._shard_of)]
-
-    def _open_incident_log(self) -> tuple[IncidentLog | None, str | None]:
-        if not (self._writer and self.config.incident_dir):
-            return None, None
-        try:
-            return IncidentLog(self.config.incident_dir), None
-        except OSError as e:
-            return None, f"SDCConfig.incident_dir={self.config.incident_dir!r} is not usable: {e}"
-
-    def _resolve_mode(self, classes: list[int] | None) -> str:
-        if classes is not None:
-            if self.config.mode == "exact" and self._writer:
-                log.warning("sdc_telemetry: mode='exact' with mixed hardware/software stacks: the replay uses a "
-                            "calibrated tolerance instead")
-            return "tolerance"
-        if self.config.mode != "auto":
-            return self.config.mode
-        exact = self.device.type == "cpu" or torch.are_deterministic_algorithms_enabled()
-        return "exact" if exact else "tolerance"
-
-    def _install_comm_hook(self, hook: grad_check.CommHook | None, state: Any) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        inner = hook if hook is not None else default_hooks.allreduce_hook
-        assert isinstance(self.model, DistributedDataParallel)
-        # DDP's own group, whatever replica_group is: the monitor must not change how gradients are averaged.
-        inner_state = state if hook is not None else self.model.process_group
-        self._hook_state = grad_check.CommHookState(self._record, inner, inner_state)
-        assert isinstance(self.model, DistributedDataParallel)
-        try:
-            self.model.register_comm_hook(self._hook_state, grad_check.comm_hook)
-        except RuntimeError as e:
-            raise ValueError("the DDP model already has a communication hook; the monitor must wrap it to see local "
-                             "gradients before the all-reduce. Register none, and pass yours as "
-                             "SDCMonitor(..., comm_hook=your_hook, comm_state=your_state)") from e
-
-    def _build_telemetry(self, registry: Any, meter_provider: Any, nvml: Any) -> Observer:
-        try:
-            from sdc_telemetry.sinks.telemetry import Telemetry
-        except ImportError:
-            log.warning("sdc_telemetry: OpenTelemetry is not importable; checks go on without metrics",
-                        exc_info=True)
-            return Observer()
-        try:
-            telemetry: Observer = Telemetry(self.config, self.identity, registry=registry,
-                                            meter_provider=meter_provider, nvml=nvml)
-            return telemetry
-        except Exception:
-            log.exception("sdc_telemetry: telemetry could not start; checks go on without metrics")
-            return Observer()
-
-    def _build_pager(self) -> Any:
-        if not (self.config.alertmanager_url and self._writer):
-            return None
-        try:
-            from sdc_telemetry.sinks.pager import AlertmanagerPusher
-
-            return AlertmanagerPusher(self.config.alertmanager_url, self.config.job_name,
-                                      on_error=lambda: self._observer.internal_error("alertmanager"))
-        except Exception:
-            log.exception("sdc_telemetry: the Alertmanager push could not start; pages depend on Prometheus")
-            return None
-
-    def _announce(self, replicas: bool) -> None:
+    def _announce(self) -> None:
         hosts = len({i.host_name for i in self.identities.values()})
-        checks = [*(("grad_local", "grad_reduced" if self._distributed else "") if self.config.grad_checks else ()),
-                  *((f"weights every {self.config.weights_every}",) if replicas and self.config.weights_every else ()),
+        replicas = self.layout.replicas
+        checks = [*(("grad_local", "grad_reduced" if self.layout.reduces else "") if self.config.grad_checks else ()),
+                  *((f"weights every {self.config.weights_every}",) if self._weights and self.config.weights_every
+                    else ()),
                   *((f"replay every {self.config.replay_every} ({self.mode})",) if self._replay else ())]
-        text = (f"sdc_telemetry: monitoring {self._world} rank(s) on {hosts} host(s) from step {self._next_step}: "
-                f"{', '.join(c for c in checks if c) or 'no checks'}; on_suspect={self.config.on_suspect}")
+        text = (f"sdc_telemetry: monitoring {self._world} rank(s) on {hosts} host(s) from step {self._next_step} "
+                f"({self.layout.name}): {', '.join(c for c in checks if c) or 'no checks'}; "
+                f"on_suspect={self.config.on_suspect}")
         if not replicas:
             text += " (one replica: weight and replay checks need several ranks and are off)"
         # Said at WARNING when logging is not configured, so that it reaches stderr once: monitoring is on.
@@ -825,28 +644,4 @@ class SDCMonitor:
 
     def _internal_error(self, component: str, what: str) -> None:
         log.exception("sdc_telemetry: %s (rank %d); training goes on", what, self.rank)
-        self._guard("telemetry", self._observer.internal_error, component)
-
-    def _guard(self, component: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except SDCDetected:
-            raise
-        except Exception:  # telemetry and bookkeeping never break training
-            log.exception("sdc_telemetry: %s failed (rank %d); training goes on", component, self.rank)
-            if component != "telemetry":
-                try:
-                    self._observer.internal_error(component)
-                except Exception:
-                    log.debug("sdc_telemetry: counting an internal error failed", exc_info=True)
-            return None
-
-
-def _local_shard(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor parameter (a view, no copy)."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t  # type: ignore[no-any-return]
-
-
-def _hash64(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+        self.sinks.internal_error(component)

@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from sdc_telemetry.checks.replay import scaled
 
-if TYPE_CHECKING:
-    from sdc_telemetry.monitor import SDCMonitor
-
-__all__ = ["StepContext", "NO_BATCH"]
+__all__ = ["StepContext", "StepDriver", "NO_BATCH"]
 
 NO_BATCH = object()
+
+
+class StepDriver(Protocol):
+    """The small surface of the monitor a step uses (``SDCMonitor`` implements it)."""
+
+    def open_step(self) -> int: ...
+
+    def capture(self, batch: Any) -> None: ...
+
+    def record_loss(self, loss: torch.Tensor, scale: float, grad_scale: torch.Tensor | None) -> None: ...
+
+    def abandon_step(self) -> None: ...
+
+    def end_step(self) -> None: ...
 
 
 class StepContext:
@@ -40,7 +51,7 @@ class StepContext:
     the gradients are reduced (every rank).
     """
 
-    def __init__(self, monitor: SDCMonitor, batch: Any) -> None:
+    def __init__(self, monitor: StepDriver, batch: Any) -> None:
         self._monitor = monitor
         self._batch = batch
         self._active = False
@@ -54,7 +65,7 @@ class StepContext:
         if exc_type is not None:
             if self._active:
                 self._active = False
-                self._monitor._abandon_step()
+                self._monitor.abandon_step()
             return
         self.end()
 
@@ -62,7 +73,7 @@ class StepContext:
         """Open the step (``with`` does it)."""
         if self._done or self._active:
             raise RuntimeError("a StepContext opens once: call monitor.step() for every step")
-        self.index = self._monitor._open_step()
+        self.index = self._monitor.open_step()
         self._active = True
         if self._batch is not NO_BATCH:
             self.micro_batch(self._batch)
@@ -73,12 +84,12 @@ class StepContext:
         self._require_active("end")
         self._active = False
         self._done = True
-        self._monitor._end_step()
+        self._monitor.end_step()
 
     def micro_batch(self, batch: Any) -> None:
         """Register the next micro-batch of this step (call before its forward pass)."""
         self._require_active("micro_batch")
-        self._monitor._micro_batch(batch)
+        self._monitor.capture(batch)
 
     def backward(self, loss: torch.Tensor, *, scale: float = 1.0, scaler: Any = None) -> None:
         """``(loss * scale)`` (then ``scaler.scale(...)``) ``.backward()``, recording ``loss`` for the replay."""
@@ -101,7 +112,7 @@ class StepContext:
         if scaler is not None and not callable(getattr(scaler, "scale", None)):
             raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         grad_scale = _grad_scale(scaler, loss)
-        self._monitor._record_loss(loss, float(scale), grad_scale)
+        self._monitor.record_loss(loss, float(scale), grad_scale)
         return grad_scale
 
     def _require_active(self, what: str) -> None:

@@ -1,8 +1,9 @@
 """Gradient health: ``grad_local`` (before the all-reduce) and ``grad_reduced`` (after it, before the update).
 
-Measuring: the DDP comm hook records, for each bucket, the per-parameter norms of the local gradients (one
-``_foreach_norm`` pass: it feeds the non-finite test, the evidence naming the parameters, and the replay's tolerance
-sketch) and, on replay audit steps only, their fingerprints. After backward the reduced gradients' norms are taken in
+Measuring: the layout's gradient tap (a DDP comm hook, an FSDP2 reduce-scatter wrapper) records, for each bucket,
+the per-parameter norms of the local gradients (one ``_foreach_norm`` pass: it feeds the non-finite test, the
+evidence naming the parameters, and the replay's tolerance sketch) and, on replay audit steps only, their
+fingerprints. After backward the reduced gradients' norms are taken in
 one more pass. Nothing is read on the host: the monitor packs the verdict inputs into the step's status vector.
 
 Deciding (``decide``, pure): non-finite gradients on every rank at once are a ``numerics`` event (fp16 overflow, a
@@ -20,20 +21,15 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from sdc_telemetry.core.evidence import json_float, top
+from sdc_telemetry.core.evidence import bits, json_float, top, unbits
 from sdc_telemetry.core.findings import Finding
 from sdc_telemetry.core.fingerprint import digest, fingerprint
 
-__all__ = ["GradRecord", "CommHookState", "comm_hook", "reduced_norms", "decide", "GradStatus", "SCALER_PATIENCE",
+__all__ = ["GradCheck", "GradRecord", "reduced_norms", "decide", "GradStatus", "SCALER_PATIENCE",
            "nonfinite_minority"]
-
-GradBucket = Any  # torch.distributed.GradBucket (a pybind class the type checker cannot see)
-CommHook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
-
 
 class GradRecord:
     """Local-gradient measurements of the current step, filled bucket by bucket by the comm hook (or, without
@@ -65,14 +61,6 @@ class GradRecord:
     @property
     def measured(self) -> bool:
         return self.buckets > 0 and not self.failed
-
-    def measure(self, bucket: GradBucket) -> None:
-        self.note_call(bucket.index())
-        # Parameters frozen after DDP was built still sit in its buckets: they are not checked.
-        pairs = [(self._index[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True)
-                 if id(p) in self._index]
-        if pairs:
-            self._store([i for i, _ in pairs], [g for _, g in pairs])
 
     def note_call(self, key: int) -> None:
         """One reduction of bucket (or FSDP parameter group) ``key`` in this step. A second one is a repeat
@@ -125,30 +113,6 @@ class GradRecord:
         return digest(self.fp)
 
 
-@dataclass
-class CommHookState:
-    """State handed to DDP with the hook: what to measure into and which all-reduce to wrap."""
-
-    record: GradRecord
-    inner_hook: CommHook
-    inner_state: Any
-    enabled: bool = True
-
-
-def comm_hook(state: CommHookState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Measure the bucket's local gradients, then run the wrapped all-reduce hook (the user's or DDP's default)."""
-    if state.enabled:
-        try:
-            state.record.measure(bucket)
-        except Exception:  # noqa: BLE001 - reported through the status vector; the all-reduce must still happen
-            state.record.failed = True
-    return state.inner_hook(state.inner_state, bucket)
-
-
-# DDP compares the annotations with the real classes; postponed (string) annotations would fail that check.
-comm_hook.__annotations__ = {}
-
-
 _INDEX_TENSORS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 
 
@@ -161,11 +125,12 @@ def _index_tensor(key: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return idx
 
 
-def reduced_norms(params: Sequence[torch.nn.Parameter], device: torch.device, local: bool = False) -> torch.Tensor:
-    """Per-parameter norms of the reduced gradients (0 where a parameter has no gradient); ``local``: of this
-    rank's shard of DTensor gradients (never a collective)."""
+def reduced_norms(params: Sequence[torch.nn.Parameter], device: torch.device,
+                  view: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Per-parameter norms of the reduced gradients (0 where a parameter has no gradient); ``view``: the layout's
+    in-place reading of a gradient (this rank's shard of a DTensor; never a collective)."""
     out = torch.zeros(len(params), dtype=torch.float32, device=device)
-    with_grad = [(i, p.grad.to_local() if local else p.grad) for i, p in enumerate(params)  # type: ignore[union-attr,attr-defined]
+    with_grad = [(i, view(p.grad) if view is not None else p.grad) for i, p in enumerate(params)
                  if p.grad is not None]
     if with_grad:
         idx = _index_tensor(tuple(i for i, _ in with_grad), device)
@@ -266,3 +231,67 @@ def decide(rows: Sequence[GradStatus], *, overflow_expected: bool = False, repea
         "nonfinite_ranks": len(reduced_bad), "ranks": len(rows),
         "reduced_grad_norm": top({str(s.rank): json_float(s.reduced_norm) for s in reduced_bad}),
     })
+
+
+class GradCheck:
+    """The gradient verdict of one step, on every rank, from the agreed status vector: the healthy path reads the
+    agreement only; per-rank status is gathered only when ranks disagree (``gather``: plain data on every rank)."""
+
+    def __init__(self, ranks: Sequence[int], rank: int, names: Sequence[str], reduces: bool,
+                 shard_of: Sequence[int] | None, gather: Callable[[torch.Tensor], list[list[int]]],
+                 gather_objects: Callable[[object], list[object]]) -> None:
+        self._ranks = list(ranks)
+        self._rank = rank
+        self._names = list(names)
+        self.reduces = reduces
+        self._shard_of = shard_of
+        self._gather = gather
+        self._gather_objects = gather_objects
+        self._minority: tuple[tuple[int, ...], int] = ((), 0)  # ranks non-finite alone, and for how many steps
+
+    def verdict(self, high: Sequence[int], low: Sequence[int], mine: Sequence[int], local: tuple[float, float],
+                norms: torch.Tensor, fields: tuple[int, int, int, int], scaler: bool) -> Finding | None:
+        """``fields``: the status-vector indices of (local measured, local non-finite, reduced measured, reduced
+        non-finite); ``local``: this rank's (local, reduced) norms; ``norms``: its per-parameter local norms."""
+        lm, ln, _, rn = fields
+        if not (high[ln] or high[rn]):
+            self._minority = ((), 0)
+            return None
+        if all(high[f] == low[f] for f in fields):  # every rank alike: no per-rank detail needed
+            rows = [GradStatus(r, *(bool(high[f]) for f in fields)) for r in self._ranks]
+        else:  # rare path: who?
+            row = torch.tensor([mine[lm], bits(local[0]), bits(local[1])], dtype=torch.int64)
+            rows = []
+            for r, g in zip(self._ranks, self._gather(row), strict=True):
+                loc, red = unbits(g[1]), unbits(g[2])
+                rows.append(GradStatus(r, bool(g[0]), bool(g[0]) and not math.isfinite(loc), self.reduces,
+                                       self.reduces and not math.isfinite(red), loc, red))
+        minority = nonfinite_minority(rows)
+        repeats = self._minority[1] if minority and minority == self._minority[0] else 0
+        self._minority = (minority, repeats + 1 if minority else 0)
+        finding = decide(rows, overflow_expected=scaler, repeats=repeats, shard_of=self._shard_of)
+        if finding is not None and finding.suspect_ranks and finding.check == "grad_local":
+            finding = self._with_nonfinite_names(norms, finding)
+        return finding
+
+    def results(self, error: bool, local_measured: bool, reduced_measured: bool, finding: Finding | None
+                ) -> dict[str, str]:
+        """This rank's results: a rank that measured nothing (or failed to) never counts a pass."""
+        if error:
+            return {"grad_local": "error", **({"grad_reduced": "error"} if self.reduces else {})}
+        out = {"grad_local": "skipped" if not local_measured else
+               "fail" if finding is not None and finding.check == "grad_local" else "pass"}
+        if self.reduces:
+            out["grad_reduced"] = "skipped" if not reduced_measured else "fail" if finding is not None else "pass"
+        return out
+
+    def _with_nonfinite_names(self, norms: torch.Tensor, finding: Finding) -> Finding:
+        """Rare path: which parameters the suspects' local gradients (before any clipping) were non-finite in."""
+        mine: list[str] = []
+        if self._rank in finding.suspect_ranks:
+            mine = [self._names[i] for i, n in enumerate(norms.tolist()) if not math.isfinite(n)][:16]
+        names = self._gather_objects(mine)
+        evidence = dict(finding.evidence)
+        evidence["nonfinite_parameters"] = {str(self._ranks[i]): n for i, n in enumerate(names)
+                                            if self._ranks[i] in finding.suspect_ranks}
+        return Finding(finding.check, finding.suspect_ranks, evidence)

@@ -33,10 +33,13 @@ from sdc_telemetry.core.evidence import MAX_ITEMS, bits, json_float, unbits
 from sdc_telemetry.core.findings import Finding
 from sdc_telemetry.core.fingerprint import digest, fingerprint
 from sdc_telemetry.core.identity import RankIdentity
-from sdc_telemetry.parallel.fsdp import FSDPLayout, recompute_grads
 
 __all__ = ["ReplayCheck", "Measurement", "Outcome", "attribute", "plan_pairs", "scaled", "check_shippable",
            "noise_median"]
+
+# A lockstep layout's recomputation (FSDP2): run_backward on every rank at once, with the accumulated local gradient
+# of each parameter returned (nothing reaches ``.grad``).
+Recompute = Callable[[Sequence[torch.nn.Parameter], Callable[[], None]], "list[torch.Tensor | None] | None"]
 
 _CALIBRATE_EVERY = 10  # audits between noise-floor recalibrations in tolerance="auto"
 _AUTO_FLOOR = 1e-5     # relative tolerance when reruns are bitwise identical
@@ -79,11 +82,12 @@ class ReplayCheck:
     def __init__(self, module: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None,
                  named_params: Sequence[tuple[str, torch.nn.Parameter]], group: dist.ProcessGroup | None,
                  ranks: Sequence[int], identities: dict[int, RankIdentity], device: torch.device, mode: str,
-                 tolerance: float | str, every: int, layout: FSDPLayout | None = None) -> None:
+                 tolerance: float | str, every: int, recompute: Recompute | None = None) -> None:
         if loss_fn is None:
             raise ValueError("replay needs loss_fn(module, batch) -> scalar loss")
         self._module = module
-        self._layout = layout  # FSDP2: recompute through the sharded model, every rank at once
+        # Layouts whose recomputation runs collectives (FSDP2): every rank recomputes at once, through this.
+        self._lockstep = recompute
         self._loss_fn = loss_fn
         self._params = [p for _, p in named_params]
         self._group = group
@@ -216,7 +220,7 @@ class ReplayCheck:
         origin = self._pairs.origin(self._pos, shift)
         replayer_of_mine = self._pairs.replayer(self._pos, shift)
         theirs = self._exchange(mine, send_to=replayer_of_mine, recv_from=origin)
-        if self._layout is not None and not self._recomputable(theirs):
+        if self._lockstep is not None and not self._recomputable(theirs):
             row = torch.tensor([0, bits(math.nan), bits(math.nan), 1], dtype=torch.int64)
         else:
             row = self._compare(theirs, theirs["fp"] if theirs is not None else 0)
@@ -251,7 +255,7 @@ class ReplayCheck:
         return False
 
     def _self_round(self, mine: dict[str, Any]) -> dict[int, bool]:
-        if self._layout is not None and not self._recomputable(mine):
+        if self._lockstep is not None and not self._recomputable(mine):
             rows = gather_rows(torch.tensor([0, 0, 0, 1], dtype=torch.int64), self._group, self._wire)
             self._collect_errors(rows)
             return {}
@@ -263,7 +267,7 @@ class ReplayCheck:
     def _calibrate(self, mine: dict[str, Any]) -> None:
         """Same-rank rerun of this rank's own step: the noise floor of non-deterministic kernels. The median over
         ranks comes from a summed histogram (fixed size at any world size), not from gathering every rank's delta."""
-        if self._layout is not None and not self._recomputable(mine):
+        if self._lockstep is not None and not self._recomputable(mine):
             return
         row = self._compare(mine, mine["fp"])
         delta = max(unbits(int(row[1])), unbits(int(row[2]))) if not row[3] else math.nan
@@ -308,7 +312,7 @@ class ReplayCheck:
         """Recompute losses and accumulated local gradients without touching .grad, buffers, RNG or DDP state."""
         losses: list[float] = []
         with self._preserved():
-            if self._layout is not None:
+            if self._lockstep is not None:
                 # FSDP2: forward and backward through the sharded model (every rank at once), gradient sync off,
                 # each parameter's unsharded gradient collected in the reduce dtype (what the tap recorded).
                 def run_backward() -> None:
@@ -317,7 +321,9 @@ class ReplayCheck:
                         scaled(loss, mb.scale, mb.grad_scale).backward()  # type: ignore[no-untyped-call]
                         losses.append(float(loss.detach().double().item()))
 
-                return self._result(losses, recompute_grads(self._layout, self._params, run_backward))
+                accumulated = self._lockstep(self._params, run_backward)
+                assert accumulated is not None
+                return self._result(losses, accumulated)
             total: list[torch.Tensor | None] = [None] * len(self._params)
             for mb in micro:
                 loss = self._loss_of(mb)

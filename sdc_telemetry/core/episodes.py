@@ -40,6 +40,10 @@ class Episodes:
         entry = self._open.get(check)
         return entry[1] if entry else None
 
+    def open_hardware(self) -> list[Incident]:
+        """Open episodes that name a hardware suspect (numerics events excluded)."""
+        return [inc for _, inc in self._open.values() if inc.suspect_ranks and not inc.numerics]
+
     def observe(self, step: int, findings: Sequence[Finding], passed: Collection[str],
                 identify: Callable[[tuple[int, ...]], tuple[RankIdentity, ...]]
                 ) -> tuple[list[Incident], list[Incident]]:

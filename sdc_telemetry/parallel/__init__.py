@@ -1,1 +1,57 @@
-"""One Layout adapter per parallelism: the only place that knows what kind of model is being trained."""
+"""One Layout adapter per parallelism: the only place that knows what kind of model is being trained.
+
+``layout_for(model, ...)`` picks the adapter; the monitor then asks the layout (``parallel.base.Layout``) and never
+the model's type. Adapters: ``single`` (one process), ``ddp`` (DistributedDataParallel), ``fsdp`` (fully_shard on a
+1-D mesh), ``hsdp`` (fully_shard on a 2-D (replicate, shard) mesh).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from sdc_telemetry.parallel.base import GradSink, Layout, LayoutError
+
+__all__ = ["layout_for", "Layout", "LayoutError", "GradSink"]
+
+
+def layout_for(model: torch.nn.Module, *, replica_group: dist.ProcessGroup | None = None,
+               comm_hook: Any = None, comm_state: Any = None) -> Layout:
+    """The adapter for ``model``, or a clear error naming what is not supported and how to fix it."""
+    initialised = dist.is_available() and dist.is_initialized()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (DistributedDataParallel-wrapped across ranks), got "
+                        f"{type(model).__name__}")
+    from sdc_telemetry.parallel import fsdp
+
+    if fsdp.is_fully_sharded(model):
+        if not initialised:
+            raise RuntimeError("SDCMonitor needs the initialised process group of the fully_shard-ed model")
+        if comm_hook is not None or replica_group is not None:
+            raise ValueError("comm_hook= and replica_group= are for DDP models; a fully_shard-ed model's groups "
+                             "come from its device mesh")
+        mesh = fsdp.layout_of(model)
+        if mesh.hsdp:
+            from sdc_telemetry.parallel.hsdp import HSDP
+
+            return HSDP(model, mesh)
+        return fsdp.FSDP(model, mesh)
+    if isinstance(model, DistributedDataParallel):
+        if not initialised:
+            raise RuntimeError("SDCMonitor needs an initialised process group for a DDP model: call "
+                               "torch.distributed.init_process_group() first (torchrun sets up the environment)")
+        from sdc_telemetry.parallel.ddp import DDP
+
+        return DDP(model, replica_group=replica_group, comm_hook=comm_hook, comm_state=comm_state)
+    if initialised and dist.get_world_size() > 1:
+        raise TypeError(f"SDCMonitor needs a torch.nn.parallel.DistributedDataParallel model when "
+                        f"torch.distributed runs {dist.get_world_size()} ranks, got {type(model).__name__}; "
+                        "wrap it first: DistributedDataParallel(model)")
+    if comm_hook is not None:
+        raise ValueError("comm_hook= wraps a DDP all-reduce; a plain module has none")
+    from sdc_telemetry.parallel.single import SingleProcess
+
+    return SingleProcess(model)

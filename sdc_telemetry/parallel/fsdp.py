@@ -1,4 +1,7 @@
-"""FSDP2 (``fully_shard``) adapters: the layout of a sharded model, the gradient tap, and the replay recomputation.
+"""FSDP2 (``fully_shard``) on a 1-D mesh: the layout of a sharded model, the gradient tap, the replay recomputation.
+
+Every rank holds one shard of every parameter and no other rank holds the same shard, so the weight vote has
+nothing to compare (HSDP, ``parallel.hsdp``, adds the replicas); the gradient checks and the replay run.
 
 Layout: everything comes from the DTensor parameters. A 1-D mesh places ``(Shard(0),)`` (every rank holds one shard
 of every parameter: no replica); a 2-D HSDP mesh places ``(Replicate(), Shard(0))`` (ranks with the same shard index
@@ -25,18 +28,17 @@ protocol in ``torch.distributed.fsdp._fully_shard._fsdp_api``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["FSDPLayout", "is_fully_sharded", "layout_of", "GradTap", "recompute_grads", "LayoutError"]
+from sdc_telemetry.core.collective import gather_rows
+from sdc_telemetry.parallel.base import GradSink, Layout, LayoutError, world_ranks
 
-
-class LayoutError(TypeError):
-    """A sharded model whose layout the monitor does not support (yet)."""
+__all__ = ["FSDP", "FSDPLayout", "is_fully_sharded", "layout_of", "GradTap", "recompute_grads"]
 
 
 def _fsdp_module_type() -> type | None:
@@ -233,3 +235,62 @@ def _predivide_factor(pg: Any) -> float | None:
     factor, _, _, _ = _get_gradient_divide_factors(reduce_scatter, all_reduce, dtype, pg.device.type,
                                                    pg.gradient_divide_factor, pg.force_sum_reduction_for_comms)
     return factor
+
+
+class FSDP(Layout):
+    """A fully_shard-ed model; the mesh comes from its DTensor parameters and spans every rank."""
+
+    name = "fsdp"
+    distributed = True
+    reduces = True
+    lockstep = True
+
+    def __init__(self, model: torch.nn.Module, mesh: FSDPLayout | None = None) -> None:
+        ranks, rank = world_ranks()
+        super().__init__(model, model, None, ranks, rank)  # the mesh spans the world: collectives on the default group
+        self.mesh = mesh if mesh is not None else layout_of(model)
+        covered = self.mesh.shard_size * self.mesh.replicas
+        if covered != dist.get_world_size():
+            raise LayoutError(f"the model's device mesh covers {covered} of {dist.get_world_size()} ranks: it must "
+                              "span every rank")
+        self._tap: GradTap | None = None
+        device = next(model.parameters()).device
+        # Every position's shard index (set-up, once): reduced shards and weights are compared among replicas only.
+        self.shard_of = [r[0] for r in gather_rows(torch.tensor([self.mesh.shard_index], dtype=torch.int64),
+                                                   None, device)]
+
+    @property
+    def weight_replicas(self) -> bool:
+        return False
+
+    def weights_off_reason(self) -> str | None:
+        return ("a 1-D FSDP mesh holds no replica of any shard: the weight check has nothing to compare and is off "
+                "(HSDP, a (replicate, shard) mesh, has replicas)")
+
+    def install(self, sink: GradSink) -> None:
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        self._tap = GradTap(self.mesh, params, sink.store, lambda: sink.detail, sink.note_call, sink.fail)
+
+    def after_backward(self, sink: GradSink) -> None:
+        """The reduce-scatter tap measured every parameter group during backward."""
+
+    def disable(self) -> None:
+        if self._tap is not None:
+            self._tap.enabled = False
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        to_local = getattr(t, "to_local", None)
+        return to_local() if to_local is not None else t  # type: ignore[no-any-return]
+
+    def whole(self, named: Sequence[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in named:  # gathered from the shards on every rank (collective), one tensor at a time
+            yield name, p.full_tensor()  # type: ignore[attr-defined]
+
+    def recompute(self, params: Sequence[torch.nn.Parameter], run_backward: Callable[[], None]
+                  ) -> list[torch.Tensor | None] | None:
+        return recompute_grads(self.mesh, params, run_backward)
+
+    def weight_classes(self, classes: Sequence[int] | None) -> list[Any] | None:
+        """Per position: (numerics class, shard index): weights are compared among replicas of the same shard."""
+        assert self.shard_of is not None
+        return [(classes[i] if classes is not None else 0, shard) for i, shard in enumerate(self.shard_of)]

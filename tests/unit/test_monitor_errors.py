@@ -124,3 +124,57 @@ def test_config_must_be_sdcconfig(one_rank: None) -> None:
     ddp = DistributedDataParallel(nn.Linear(4, 2))
     with pytest.raises(TypeError, match="SDCConfig"):
         sdc.SDCMonitor(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), config={"replay_every": 0})  # type: ignore[arg-type]
+
+
+def test_close_on_an_exception_path_runs_no_collective_and_keeps_the_original_error(
+        one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop that fails with a verdict still in flight: close() decides nothing, runs no collective, and the
+    original error is what propagates."""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 2)
+    ddp = DistributedDataParallel(net)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    monitor = sdc.SDCMonitor(ddp, opt, config=sdc.SDCConfig(replay_every=0, **OFF))
+    monitor._defer_verdicts = True  # the CUDA policy: this step's verdict is read at the next one
+    with monitor.step() as step:
+        step.backward(ddp(torch.ones(3, 4)).sum())
+    assert monitor._pending is not None  # a verdict is in flight: a normal close() would decide it (collective)
+    calls: list[str] = []
+    for name in ("all_reduce", "all_gather_into_tensor", "all_gather_object"):
+        monkeypatch.setattr(dist, name, lambda *a, _n=name, **k: calls.append(_n))
+    with pytest.raises(KeyError, match="data loader"):
+        with monitor:
+            raise KeyError("data loader")
+    assert monitor.closed and calls == []
+
+
+def test_close_after_sdc_detected_runs_no_collective(one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After SDCDetected stopped the loop, close() returns at once without a collective the others never join."""
+    net = nn.Linear(4, 2)
+    ddp = DistributedDataParallel(net)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    monitor = sdc.SDCMonitor(ddp, opt, config=sdc.SDCConfig(replay_every=0, on_suspect="raise", **OFF))
+    monitor._defer_verdicts = True
+    with monitor.step() as step:  # healthy: its verdict stays in flight
+        step.backward(ddp(torch.ones(3, 4)).sum())
+    with pytest.raises(sdc.SDCDetected) as raised:
+        with monitor.step() as step:  # an audit-free step whose NaN names this process (decided at once below)
+            step.backward(ddp(torch.full((3, 4), math.nan)).sum())
+        monitor.verify_weights()  # not reached when the deferred verdict raised
+        monitor._settle()
+    assert raised.value.incident.check == "grad_local"
+    calls: list[str] = []
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: calls.append("all_reduce"))
+    monitor.close()
+    assert monitor.closed and calls == []
+
+
+def test_setup_agreement_ignores_deployment_fields(one_rank: None) -> None:
+    """Only detection settings enter the set-up hash: OTLP endpoint, metrics host and job name may differ by node."""
+    from sdc_telemetry.core.setup import detection_hash
+
+    base = sdc.SDCConfig(**OFF)
+    node = sdc.SDCConfig(otlp_endpoint="http://10.0.0.7:4318", metrics_host="127.0.0.1", job_name="other", **OFF)
+    assert detection_hash(base, 0) == detection_hash(node, 0)
+    assert detection_hash(base, 0) != detection_hash(sdc.SDCConfig(weights_every=2, **OFF), 0)
+    assert detection_hash(base, 0) != detection_hash(base, 1)

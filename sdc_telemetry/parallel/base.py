@@ -1,0 +1,154 @@
+"""The Layout interface: what the checks need to know about how a parallelism lays a model over the ranks.
+
+The monitor asks its layout and never the model's type. A layout answers:
+
+- **who**: the process group the monitor's collectives run in (``group``; None for the default group), the global
+  rank of each of its positions (``ranks``), and whether there is more than one process at all (``distributed``);
+- **where gradients are read**: ``install(sink)`` taps the local gradients as the reduction consumes them (a DDP
+  comm hook, an FSDP2 reduce-scatter wrapper), ``after_backward(sink)`` reads them where no reduction exists
+  (one process); ``reduces`` says whether reduced gradients exist to be checked (``grad_reduced``);
+- **which ranks hold replicas of which tensor**: ``shard_of`` (each position's shard index, for sharded models;
+  None when every rank holds whole tensors), ``weight_replicas`` (some other rank holds a copy of every tensor
+  this rank holds, so the weight vote has something to compare) and ``digest_slots``/``digest_slot`` (the slots of
+  the status vector the weight digest travels in: one per shard index, so replicas of a shard agree among
+  themselves);
+- **how a tensor is read in place**: ``local(t)`` (this rank's share, never a collective: what the weight
+  fingerprint and the reduced-gradient norm read) and ``whole(named)`` (whole tensors for a certificate, one at a
+  time);
+- **how a replica recomputes a micro-batch**: ``lockstep`` (the recomputation runs collectives, so every rank
+  recomputes at once) and ``recompute(params, run_backward)`` (run forward and backward without touching ``.grad``
+  or the training state, returning the accumulated local gradients; None where plain autograd does it).
+
+Adding a parallelism means adding an adapter module here and one line in ``layout_for``: no change to the monitor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from sdc_telemetry.core.collective import gather_objects, gather_rows, group_ranks
+
+__all__ = ["Layout", "GradSink", "LayoutError"]
+
+
+class LayoutError(TypeError):
+    """A model laid out in a way the monitor does not support (yet): the message names what and why."""
+
+
+class GradSink(Protocol):
+    """Where a layout's gradient tap hands the local gradients of the step (``checks.grad.GradRecord``)."""
+
+    detail: bool
+
+    def note_call(self, key: int) -> None: ...
+
+    def store(self, index: list[int], grads: list[torch.Tensor], fp_grads: list[torch.Tensor] | None = None
+              ) -> None: ...
+
+    def fail(self) -> None: ...
+
+    def measure_local(self) -> None: ...
+
+
+class Layout:
+    """Base adapter: one process, or any layout whose tensors are whole on every rank. Subclasses override."""
+
+    name = "single"
+    #: more than one process takes part (the agreement is all-reduced, identities gathered)
+    distributed = False
+    #: gradients are reduced across ranks: ``grad_reduced`` has something to read
+    reduces = False
+    #: the replay's recomputation runs collectives: every rank recomputes at once
+    lockstep = False
+
+    def __init__(self, model: torch.nn.Module, module: torch.nn.Module, group: dist.ProcessGroup | None,
+                 ranks: Sequence[int], rank: int) -> None:
+        self.model = model          # what the training loop calls (a wrapper, or the module itself)
+        self.module = module        # the unwrapped module: parameter names of certificates and evidence
+        self.group = group
+        self.ranks = list(ranks)
+        self.rank = rank
+        self.world = len(self.ranks)
+        self.position = self.ranks.index(rank)
+        self.shard_of: list[int] | None = None
+
+    # -- who holds what ------------------------------------------------------------------------------------------
+
+    @property
+    def replicas(self) -> bool:
+        """More than one rank computes the same model: the replay has partners."""
+        return self.world > 1
+
+    @property
+    def weight_replicas(self) -> bool:
+        """Every tensor this rank holds has a replica on another rank: the weight vote can run."""
+        return self.world > 1
+
+    def weights_off_reason(self) -> str | None:
+        """Why the weight check has nothing to compare (said once), or None when it has."""
+        if self.weight_replicas:
+            return None
+        return "one replica: weight and replay checks need several ranks and are off"
+
+    @property
+    def digest_slots(self) -> int:
+        """Status-vector slots for the weight digest beyond the one shared field (0: one digest for the group)."""
+        return 0
+
+    @property
+    def digest_slot(self) -> int:
+        return 0
+
+    def weight_classes(self, classes: Sequence[int] | None) -> list[Any] | None:
+        """Per position, the class of ranks whose weights must be bit-identical (numerics signature, shard)."""
+        return list(classes) if classes is not None else None
+
+    # -- the rare path's gathers -----------------------------------------------------------------------------------
+
+    def gather_rows(self, row: torch.Tensor, device: torch.device) -> list[list[int]]:
+        """Every position's int64 row, on every rank (one process: its own)."""
+        return gather_rows(row, self.group, device) if self.distributed else [row.tolist()]
+
+    def gather_objects(self, obj: object) -> list[object]:
+        return gather_objects(obj, self.group) if self.distributed else [obj]
+
+    # -- where gradients are read --------------------------------------------------------------------------------
+
+    def install(self, sink: GradSink) -> None:
+        """Tap the local gradients into ``sink`` as the reduction consumes them (nothing to tap by default)."""
+
+    def after_backward(self, sink: GradSink) -> None:
+        """Read the local gradients at the end of backward where no reduction tapped them (one process)."""
+        sink.measure_local()
+
+    def disable(self) -> None:
+        """Stop measuring (``close()``): taps that cannot be removed only forward from now on."""
+
+    # -- reading tensors in place --------------------------------------------------------------------------------
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's share of ``t`` (a view, never a collective)."""
+        return t
+
+    def whole(self, named: Sequence[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Whole tensors, one at a time (a sharded layout gathers each in turn: collective)."""
+        yield from named
+
+    # -- replay --------------------------------------------------------------------------------------------------
+
+    def recompute(self, params: Sequence[torch.nn.Parameter], run_backward: Callable[[], None]
+                  ) -> list[torch.Tensor | None] | None:
+        """Recompute through collectives (``lockstep`` layouts); None: the replay uses plain autograd."""
+        return None
+
+    def describe(self) -> str:
+        return f"{self.name} over {self.world} rank(s)"
+
+
+def world_ranks() -> tuple[list[int], int]:
+    """Every rank of the default group, and this one."""
+    return group_ranks(None), dist.get_rank()
