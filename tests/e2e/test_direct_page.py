@@ -1,17 +1,31 @@
 """End to end: with alertmanager_url set, a raising job pages through a real Alertmanager without any scrape, and
-every rank is done within seconds."""
+every rank is done within seconds; a page Alertmanager refuses at first is retried until it arrives, and the failed
+pushes are counted."""
 
 from __future__ import annotations
 
+import json
+import threading
 import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
+import prometheus_client
 import pytest
+import torch
+import torch.distributed as dist
+from prometheus_client.parser import text_string_to_metric_families
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from sdc_telemetry.ops.alerts import SUSPECT_ALERTS
+import sdc_telemetry as sdc
+from sdc_telemetry.faults import FaultInjector
+from sdc_telemetry.ops.alerts import SUSPECT_ALERTS, suspect_alert
 from sdc_telemetry.ops.stack import LocalStack
 from sdc_telemetry.testing import spawn_ranks
 
-from ._trainer import host_of, raise_and_page
+from ._trainer import host_of, loss_fn, raise_and_page
 from .test_stack import _free_base, _require_binaries
 
 pytestmark = pytest.mark.e2e
@@ -32,3 +46,120 @@ def test_direct_push_pages_within_seconds_and_every_rank_stops(tmp_path) -> None
         assert page["labels"]["severity"] == "critical" and page["labels"]["check"] == "weights"
     assert all(r["step"] == 4 and r["exit_code"] == 75 for r in results)
     assert all(r["returned_at"] - r["raised_at"] <= 10 for r in results)
+
+
+class _FlakyAlertmanager(ThreadingHTTPServer):
+    """A real HTTP server in Alertmanager's place: the first ``failures`` posts to /api/v2/alerts get HTTP 500, the
+    later ones 200. ``GET /accepted`` answers how many posts it accepted."""
+
+    daemon_threads = True
+
+    def __init__(self, failures: int) -> None:
+        super().__init__(("127.0.0.1", 0), _FlakyHandler)
+        self.failures = failures
+        self.posts: list[tuple[float, int, list[dict[str, Any]]]] = []  # (time, status answered, alerts)
+        self.lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _FlakyHandler(BaseHTTPRequestHandler):
+    server: _FlakyAlertmanager
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with self.server.lock:
+            failed = sum(1 for _, status, _ in self.server.posts if status != 200)
+            status = 500 if self.path == "/api/v2/alerts" and failed < self.server.failures else 200
+            self.server.posts.append((time.time(), status, body))
+        self.send_response(status)
+        self.end_headers()
+        self.wfile.write(b"injected failure" if status == 500 else b"")
+
+    def do_GET(self) -> None:
+        with self.server.lock:
+            accepted = sum(1 for _, status, _ in self.server.posts if status == 200)
+        data = json.dumps({"accepted": accepted}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _pager_failures(registry: prometheus_client.CollectorRegistry) -> float | None:
+    for family in text_string_to_metric_families(prometheus_client.generate_latest(registry).decode()):
+        for sample in family.samples:
+            if sample.name == "sdc_pager_failures_total":
+                return float(sample.value)
+    return None
+
+
+def page_through_failures(rank: int, world: int, alertmanager_url: str, wait_s: float) -> dict[str, Any]:
+    """A weight flip on rank 2 at step 4, on_suspect="record", a direct push to an Alertmanager that fails at first.
+    The writer rank keeps training, then waits (bounded) until the page was accepted; every rank returns its
+    sdc_pager_failures_total read from the monitor's registry before close()."""
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    faults = FaultInjector(ddp, opt)
+    faults.flip_weight_bit(rank=2, step=4, param="0.weight", index=3, bit=10)
+    config = sdc.SDCConfig(weights_every=1, replay_every=0, on_suspect="record", metrics_port=None,
+                           job_name="pager-retry", alertmanager_url=alertmanager_url, nvml=False)
+    registry = prometheus_client.CollectorRegistry()
+    monitor = sdc.SDCMonitor(ddp, opt, config=config, registry=registry)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(8):
+        batch = (torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen))
+        with monitor.step(batch) as st:
+            st.backward(loss_fn(ddp, batch))
+        opt.step()
+        opt.zero_grad()
+        time.sleep(0.1)
+    trained_at = time.time()
+    deadline = time.monotonic() + wait_s
+    while rank == 0 and time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{alertmanager_url}/accepted", timeout=5) as r:
+            if json.loads(r.read())["accepted"] >= 1:
+                break
+        time.sleep(0.05)
+    failures = _pager_failures(registry)
+    dist.barrier()
+    monitor.close()
+    faults.close()
+    return {"failures": failures, "trained_at": trained_at,
+            "incidents": [(i.step, i.check, i.suspect_ranks) for i in monitor.incidents]}
+
+
+def test_a_page_refused_three_times_arrives_and_the_failures_are_counted() -> None:
+    """3 ranks, weight flip on rank 2; Alertmanager answers HTTP 500 to the first three posts: the writer rank
+    retries in the background while training goes on, the fourth post delivers the critical page for node-b /
+    rank 2 (the same alert as the failed posts), and sdc_pager_failures_total is 3 on the writer rank (0 on the
+    others)."""
+    server = _FlakyAlertmanager(failures=3)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        results = spawn_ranks(page_through_failures, 3, (server.url, 30.0), timeout=150,
+                              rank_env=lambda r: {"SDC_HOST_NAME": host_of(r), "LOCAL_RANK": str(r)})
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    assert all((4, "weights", (2,)) in r["incidents"] for r in results)
+    statuses = [status for _, status, _ in server.posts]
+    assert statuses[:4] == [500, 500, 500, 200], statuses
+    expected = suspect_alert("weights", {"host_name": "node-b", "rank": 2, "local_rank": 2,
+                                         "hw_id": "cpu:node-b:2"}, "pager-retry")
+    for _, _, body in server.posts[:4]:
+        (alert,) = body
+        assert alert["labels"] == expected["labels"] and alert["annotations"] == expected["annotations"]
+    assert expected["labels"]["severity"] == "critical"
+    first, accepted = server.posts[0][0], server.posts[3][0]
+    assert accepted - first < 10, "the retries took too long"
+    assert [r["failures"] for r in results] == [3, 0, 0]
