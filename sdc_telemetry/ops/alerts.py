@@ -396,7 +396,10 @@ def _alertmanager_text(doc: dict[str, Any]) -> str:
     marker = "- name: pager\n"
     assert marker in text
     header = HEADER + ("# Receivers are webhooks (the docker-compose webhook sink and the sdc-telemetry respond "
-                       "service); see the commented examples.\n")
+                       "service); see the commented examples.\n"
+                       "# The responder gets only the unambiguous SDC criticals, with the bearer token of "
+                       f"{RESPONDER_CREDENTIALS_FILE}\n# (the token sdc-telemetry respond --bearer-token-file "
+                       "reads).\n")
     return header + text.replace(marker, marker + _PAGER_EXAMPLES, 1)
 
 

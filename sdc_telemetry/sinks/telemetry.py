@@ -271,8 +271,7 @@ class Telemetry(Observer):
         pager = (PAGER_COMPONENT,) if config.alertmanager_url else ()
         for component in ("exporter", "nvml", "telemetry", *(("otlp",) if config.otlp_endpoint else ()), *pager):
             self._i["sdc_internal_errors_total"].add(0, self._a(component=component))
-        if pager:
-            self._i["sdc_pager_failures_total"].add(0, self._attrs)
+        self._i["sdc_pager_failures_total"].add(0, self._attrs)  # every family exists on every rank
         for check in CHECKS:
             self._i["sdc_incidents_total"].add(0, self._a(check=check))
             self._i["sdc_suspect"].set(0, self._a(check=check))

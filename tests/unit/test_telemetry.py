@@ -31,7 +31,7 @@ from sdc_telemetry.sinks.nvml import FakeNVML
 from sdc_telemetry.sinks.observer import ReplayDeltas, StepReport
 from sdc_telemetry.sinks.telemetry import NONFINITE, Telemetry
 
-AM_URL = "http://127.0.0.1:9"  # an Alertmanager URL: the ranks then export the pager failure counter
+AM_URL = "http://127.0.0.1:9"  # an Alertmanager URL (the writer rank would push pages there)
 # What a training rank exports: every family but the responder's fleet families.
 RANK_FAMILIES = tuple(f for f in FAMILIES if f.source != "fleet")
 IDENT = RankIdentity(rank=3, local_rank=1, host_name="node-b", hw_id="GPU-11111111-2222-3333-4444-555555555555")
@@ -114,7 +114,7 @@ def run_until(done: Any, timeout: float = 10.0) -> None:
 def test_scraped_names_are_exactly_the_table(make: Any) -> None:
     """Over HTTP, every family of the metric table a rank exports (all but the responder's fleet families) is scraped
     under its `name`, and nothing else but target_info."""
-    t = make(served(alertmanager_url=AM_URL), nvml=FakeNVML(IDENT.hw_id))
+    t = make(served(), nvml=FakeNVML(IDENT.hw_id))
     t.report(full_report())
     assert t._gpu is not None
     t._gpu.device.inject_xid(79)
@@ -133,7 +133,7 @@ def test_scraped_names_are_exactly_the_table(make: Any) -> None:
 
 def test_every_series_carries_identity_and_only_its_family_labels(make: Any) -> None:
     """Each series has service_name, service_instance_id, host_name, rank, local_rank, hw_id plus its own labels."""
-    t = make(cfg(alertmanager_url=AM_URL), nvml=FakeNVML(IDENT.hw_id))
+    t = make(nvml=FakeNVML(IDENT.hw_id))
     t.report(full_report())
     by_name = {f.name: f for f in RANK_FAMILIES}
     for name, labels, _ in samples(text_of(t)):
@@ -156,7 +156,7 @@ def test_replay_families_have_no_partner_label() -> None:
 def test_otel_side_uses_the_private_provider_and_resource(make: Any) -> None:
     """Extra readers see the OTel instrument names, and the resource names job, instance, host, rank and GPU."""
     reader = InMemoryMetricReader()
-    t = make(cfg(alertmanager_url=AM_URL), readers=[reader])
+    t = make(readers=[reader])
     t.report(full_report())
     rm = reader.get_metrics_data().resource_metrics[0]
     attrs = dict(rm.resource.attributes)
@@ -503,9 +503,9 @@ def test_internal_error_counts_by_component(make: Any) -> None:
 
 
 def test_pager_failures_count_each_failed_push_from_zero(make: Any) -> None:
-    """With alertmanager_url, sdc_pager_failures_total exists at 0; each failure of the direct push (the pager's
-    on_error: internal_error("alertmanager"), or an "alertmanager" error in a report) adds 1; other components do
-    not."""
+    """sdc_pager_failures_total exists at 0 (with alertmanager_url, so does the alertmanager error component); each
+    failure of the direct push (the pager's on_error: internal_error("alertmanager"), or an "alertmanager" error in
+    a report) adds 1; other components do not."""
     t = make(cfg(alertmanager_url=AM_URL))
     text = text_of(t)
     assert value(text, "sdc_pager_failures_total") == 0
@@ -517,7 +517,9 @@ def test_pager_failures_count_each_failed_push_from_zero(make: Any) -> None:
     text = text_of(t)
     assert value(text, "sdc_pager_failures_total") == 4
     assert value(text, "sdc_internal_errors_total", component="alertmanager") == 4
-    assert value(text_of(make()), "sdc_pager_failures_total") is None  # no Alertmanager configured, no series
+    bare = text_of(make())  # no Alertmanager configured: the counter is there at 0, the component is not
+    assert value(bare, "sdc_pager_failures_total") == 0
+    assert value(bare, "sdc_internal_errors_total", component="alertmanager") is None
 
 
 def test_ambiguous_suspect_latches_the_ambiguous_gauge_not_sdc_suspect(make: Any) -> None:
