@@ -410,7 +410,8 @@ class SDCMonitor:
                 self._internal_error("weights", "fingerprinting the parameters failed")
                 host[S.WEIGHTS_ERROR] = 1
             weights_s = time.perf_counter() - t
-        vec = self._status_vector(host, nonfinite, digest)
+        vec, self._absent = S.pack(host, nonfinite, digest, self.device, layout.digest_slots, layout.digest_slot,
+                                   self._absent)
         agreement = Agreement(vec, layout.group, layout.distributed, local=norms, absent=self._absent)
         elapsed = time.perf_counter() - start
         # grad_local: the tap's measurements during backward and the local part here; grad_reduced: its pass.
@@ -419,25 +420,6 @@ class SDCMonitor:
         return _Measured(step=step, mine=host, agreement=agreement, weights_due=weights, audit=audit, table=table,
                          norms=record.norms.clone() if snapshot else record.norms, durations=durations,
                          grads=grads)
-
-    def _status_vector(self, host: list[int], nonfinite: torch.Tensor, digest: torch.Tensor) -> torch.Tensor:
-        """The fixed fields, then the layout's digest slots (one per shard index, the others absent)."""
-        slots = self.layout.digest_slots
-        fixed = torch.tensor(host + [0] * slots, dtype=torch.int64)
-        # Pinned and non-blocking on CUDA: building the vector never waits for the GPU.
-        vec = fixed.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else fixed
-        vec[S.LOCAL_NONFINITE] = nonfinite[0]
-        vec[S.REDUCED_NONFINITE] = nonfinite[1]
-        if not slots:
-            vec[S.DIGEST] = digest[0]
-            return vec
-        vec[S.FIELDS + self.layout.digest_slot] = digest[0]
-        if self._absent is None:  # made once: a constant mask, no host-to-device copy per step
-            mask = torch.ones(S.FIELDS + slots, dtype=torch.bool)
-            mask[:S.FIELDS] = False
-            mask[S.FIELDS + self.layout.digest_slot] = False
-            self._absent = mask.to(vec.device)
-        return vec
 
     # -- deciding ------------------------------------------------------------------------------------------------
 
@@ -513,16 +495,8 @@ class SDCMonitor:
 
     def _weights_verdict(self, m: _Measured, high: list[int], low: list[int]) -> tuple[Finding | None, str]:
         assert self._weights is not None
-        if high[S.WEIGHTS_ERROR]:
-            if self._writer:
-                log.warning("sdc_telemetry: step %d: weight check could not run: a rank failed to fingerprint its "
-                            "parameters", m.step)
-            return None, "error" if m.mine[S.WEIGHTS_ERROR] else "skipped"
-        if S.digests_agree(high, low, self.layout.digest_slots):
-            return None, "pass"
-        assert m.table is not None
-        finding = self._weights.gather(m.table)
-        return finding, "fail" if finding is not None else "pass"
+        return self._weights.verdict(m.step, bool(high[S.WEIGHTS_ERROR]), bool(m.mine[S.WEIGHTS_ERROR]),
+                                     S.digests_agree(high, low, self.layout.digest_slots), m.table, self._writer)
 
     def _replay_verdict(self, step: int, high: list[int], low: list[int], findings: list[Finding]
                         ) -> tuple[Finding | None, str, ReplayDeltas | None]:
@@ -537,24 +511,12 @@ class SDCMonitor:
             reason = "not every rank captured the step (use `with monitor.step(batch)` or step.micro_batch())"
         elif not low[S.LOCAL_MEASURED] or high[S.ERROR]:
             reason = "local gradients were not measured on every rank"
-        if reason is not None:
-            self._replay.drop()
-            self._warn_once(reason, "sdc_telemetry: step %d: replay skipped: %s", step, reason)
-            return None, "skipped", None
-        try:
-            local_fp = int(self._record.total_fp().item())
-            local_norms = self._record.norms
-        except Exception:  # noqa: BLE001 - the replay protocol below must still run on this rank
-            self._internal_error("replay", "reading the recorded gradients failed")
-            local_fp, local_norms = 0, torch.zeros(len(self._params))
-        finding, measured = self._replay.run(local_fp, local_norms)
+        finding, result, measured = self._replay.audit(
+            reason, lambda: (int(self._record.total_fp().item()), self._record.norms),
+            lambda key, text: self._warn_once(key, "sdc_telemetry: step %d: %s", step, text),
+            lambda: self._internal_error("replay", "reading the recorded gradients failed"))
         deltas = ReplayDeltas(measured.loss_delta, measured.grad_delta, measured.mismatch) if measured else None
-        if self._replay.errors:
-            self._warn_once("replay-error:" + self._replay.error_text.split(":")[0],
-                            "sdc_telemetry: step %d: replay failed on ranks %s: %s (counted as errors, not passes)",
-                            step, self._replay.errors[:16], self._replay.error_text)
-            return None, "error" if self.rank in self._replay.errors or measured is None else "pass", deltas
-        return finding, "fail" if finding is not None else "pass", deltas
+        return finding, result, deltas
 
     # -- responding ----------------------------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from sdc_telemetry.checks.pairing import Outcome, attribute, plan_pairs
-from sdc_telemetry.checks.shipping import MicroBatch, check_shippable, pack, unpack
+from sdc_telemetry.checks.shipping import MicroBatch, check_shippable, exchange
 from sdc_telemetry.core.collective import agree, collective_device, gather_rows, sum_counts
 from sdc_telemetry.core.evidence import MAX_ITEMS, bits, json_float, unbits
 from sdc_telemetry.core.findings import Finding
@@ -164,6 +164,29 @@ class ReplayCheck:
                 mb.autocast = _autocast_state(self._device)
 
     # -- the audit (end of the step, before the update) ----------------------------------------------------------
+
+    def audit(self, blocked: str | None, local: Callable[[], tuple[int, torch.Tensor]],
+              warn: Callable[[str, str], None], on_error: Callable[[], None]
+              ) -> tuple[Finding | None, str, Measurement | None]:
+        """The audit of the step: skipped (``blocked`` says why: the same on every rank), else the replay protocol
+        on ``local()`` (this rank's recorded gradient digest and per-parameter norms). Returns the finding, this
+        rank's result, and its comparison."""
+        if blocked is not None:
+            self.drop()
+            warn(blocked, f"replay skipped: {blocked}")
+            return None, "skipped", None
+        try:
+            local_fp, local_norms = local()
+        except Exception:  # noqa: BLE001 - the replay protocol below must still run on this rank
+            on_error()
+            local_fp, local_norms = 0, torch.zeros(len(self._params))
+        finding, measured = self.run(local_fp, local_norms)
+        if self.errors:
+            warn("replay-error:" + self.error_text.split(":")[0],
+                 f"replay failed on ranks {self.errors[:16]}: {self.error_text} (counted as errors, not passes)")
+            mine = self._ranks[self._pos] in self.errors or measured is None
+            return None, "error" if mine else "pass", measured
+        return finding, "fail" if finding is not None else "pass", measured
 
     def run(self, local_fp: int, local_norms: torch.Tensor) -> tuple[Finding | None, Measurement | None]:
         """Audit this step. ``local_fp``: this rank's recorded local-gradient digest; ``local_norms``: its
@@ -379,33 +402,13 @@ class ReplayCheck:
                 norms[i] = torch.linalg.vector_norm(g, dtype=torch.float32).cpu()
         return _Result(losses, int(digest(fps).item()), norms)
 
-    # -- shipping ------------------------------------------------------------------------------------------------
-
     def _exchange(self, mine: dict[str, Any], send_to: int, recv_from: int) -> dict[str, Any] | None:
         """Send this rank's record to ``send_to`` and receive ``recv_from``'s (group positions), point-to-point."""
-        try:
-            payload = pack(mine)
-        except Exception as e:  # noqa: BLE001 - send an empty payload so the peer does not wait forever
-            self.error_text = f"packing the replay record failed: {type(e).__name__}: {e}"
-            payload = torch.zeros(0, dtype=torch.uint8)
-        size_out = torch.tensor([payload.numel()], dtype=torch.int64, device=self._wire)
-        size_in = torch.zeros(1, dtype=torch.int64, device=self._wire)
-        self._p2p(size_out, size_in, send_to, recv_from)
-        data_in = torch.empty(int(size_in.item()), dtype=torch.uint8, device=self._wire)
-        self._p2p(payload.to(self._wire), data_in, send_to, recv_from)
-        if data_in.numel() == 0:
-            return None
-        try:
-            return unpack(data_in, self._device)
-        except Exception as e:  # noqa: BLE001
-            self.error_text = f"unpacking the replay record failed: {type(e).__name__}: {e}"
-            return None
-
-    def _p2p(self, out: torch.Tensor, into: torch.Tensor, send_to: int, recv_from: int) -> None:
-        ops = [dist.P2POp(dist.isend, out, self._ranks[send_to], self._group),
-               dist.P2POp(dist.irecv, into, self._ranks[recv_from], self._group)]
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+        theirs, error = exchange(mine, self._ranks[send_to], self._ranks[recv_from], self._group, self._wire,
+                                 self._device)
+        if error:
+            self.error_text = error
+        return theirs
 
 
 def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype] | None:

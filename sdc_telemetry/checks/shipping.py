@@ -121,3 +121,34 @@ def unpack(data: torch.Tensor, device: torch.device) -> dict[str, Any]:
                                                                       getattr(torch, m["autocast"][1])),
                          scale=m["scale"], loss=m["loss"]) for m in plain["micro"]]
     return {"fp": plain["fp"], "norms": plain["norms"].cpu(), "micro": micro}
+
+
+def exchange(mine: dict[str, Any], send_to: int, recv_from: int, group: Any, wire: torch.device,
+             device: torch.device) -> tuple[dict[str, Any] | None, str]:
+    """Send ``mine`` to global rank ``send_to`` and receive ``recv_from``'s record, point-to-point (size, then
+    payload). Returns (their record or None, an error text or ""); a record that cannot be packed goes out empty so
+    that the peer never waits forever."""
+    import torch.distributed as dist
+
+    def p2p(out: torch.Tensor, into: torch.Tensor) -> None:
+        ops = [dist.P2POp(dist.isend, out, send_to, group), dist.P2POp(dist.irecv, into, recv_from, group)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+
+    error = ""
+    try:
+        payload = pack(mine)
+    except Exception as e:  # noqa: BLE001
+        error = f"packing the replay record failed: {type(e).__name__}: {e}"
+        payload = torch.zeros(0, dtype=torch.uint8)
+    size_out = torch.tensor([payload.numel()], dtype=torch.int64, device=wire)
+    size_in = torch.zeros(1, dtype=torch.int64, device=wire)
+    p2p(size_out, size_in)
+    data_in = torch.empty(int(size_in.item()), dtype=torch.uint8, device=wire)
+    p2p(payload.to(wire), data_in)
+    if data_in.numel() == 0:
+        return None, error
+    try:
+        return unpack(data_in, device), error
+    except Exception as e:  # noqa: BLE001
+        return None, f"unpacking the replay record failed: {type(e).__name__}: {e}"

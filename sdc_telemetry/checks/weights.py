@@ -7,6 +7,7 @@ the per-parameter fingerprint table gathered and voted on (``decide``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
@@ -19,6 +20,8 @@ from sdc_telemetry.core.fingerprint import digest, fingerprint, format_fingerpri
 from sdc_telemetry.core.vote import vote
 
 __all__ = ["WeightsCheck", "decide"]
+
+log = logging.getLogger("sdc_telemetry")
 
 
 class WeightsCheck:
@@ -40,6 +43,21 @@ class WeightsCheck:
         """This rank's fingerprint table, kept for a later ``gather``; returns its digest (0-d, on device)."""
         self.table = fingerprint([self._local(p) for p in self._params] if self._local else self._params)
         return digest(self.table)
+
+    def verdict(self, step: int, error_any: bool, error_mine: bool, agree: bool, table: torch.Tensor | None,
+                writer: bool) -> tuple[Finding | None, str]:
+        """The step's weight verdict and this rank's result, from the agreement (every rank alike); the table is
+        gathered only when the digests differ."""
+        if error_any:
+            if writer:
+                log.warning("sdc_telemetry: step %d: weight check could not run: a rank failed to fingerprint its "
+                            "parameters", step)
+            return None, "error" if error_mine else "skipped"
+        if agree:
+            return None, "pass"
+        assert table is not None
+        finding = self.gather(table)
+        return finding, "fail" if finding is not None else "pass"
 
     def gather(self, table: torch.Tensor) -> Finding | None:
         """Rare path (digests differ): gather every rank's ``table`` (of the step being decided) and vote, within

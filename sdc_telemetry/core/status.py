@@ -8,8 +8,10 @@ The vector's size depends on the layout, never on the world size.
 
 from __future__ import annotations
 
+import torch
+
 __all__ = ["STEP", "LOCAL_MEASURED", "LOCAL_NONFINITE", "REDUCED_MEASURED", "REDUCED_NONFINITE", "ERROR", "REPEATED",
-           "REPLAYABLE", "SCALER", "WEIGHTS_ERROR", "DIGEST", "FIELDS", "GRAD_FIELDS", "digests_agree"]
+           "REPLAYABLE", "SCALER", "WEIGHTS_ERROR", "DIGEST", "FIELDS", "GRAD_FIELDS", "digests_agree", "pack"]
 
 (STEP, LOCAL_MEASURED, LOCAL_NONFINITE, REDUCED_MEASURED, REDUCED_NONFINITE, ERROR, REPEATED, REPLAYABLE, SCALER,
  WEIGHTS_ERROR, DIGEST) = range(11)
@@ -20,3 +22,24 @@ GRAD_FIELDS = (LOCAL_MEASURED, LOCAL_NONFINITE, REDUCED_MEASURED, REDUCED_NONFIN
 def digests_agree(high: list[int], low: list[int], slots: int) -> bool:
     """Every replica's weight digest is the same (in each shard's slot, for sharded layouts)."""
     return all(high[f] == low[f] for f in (DIGEST, *range(FIELDS, FIELDS + slots)))
+
+
+def pack(host: list[int], nonfinite: torch.Tensor, digest: torch.Tensor, device: torch.device, slots: int, slot: int,
+         absent: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The status vector on ``device`` from the host fields and the device-side values (no host synchronisation),
+    and the mask of the slots this rank leaves absent (``absent``: the mask made at an earlier step, reused)."""
+    fixed = torch.tensor(host + [0] * slots, dtype=torch.int64)
+    # Pinned and non-blocking on CUDA: building the vector never waits for the GPU.
+    vec = fixed.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else fixed
+    vec[LOCAL_NONFINITE] = nonfinite[0]
+    vec[REDUCED_NONFINITE] = nonfinite[1]
+    if not slots:
+        vec[DIGEST] = digest[0]
+        return vec, None
+    vec[FIELDS + slot] = digest[0]
+    if absent is None:  # made once: a constant mask, no host-to-device copy per step
+        mask = torch.ones(FIELDS + slots, dtype=torch.bool)
+        mask[:FIELDS] = False
+        mask[FIELDS + slot] = False
+        absent = mask.to(vec.device)
+    return vec, absent
