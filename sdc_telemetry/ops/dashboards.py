@@ -377,9 +377,11 @@ def _gpu() -> Dashboard:
         description="Strikes per GPU in the responder's ledger (sdc_fleet_gpu_strikes, from the responder's "
                     "/metrics): every page the responder acted on is a strike for its GPU, and a second strike within "
                     "the strike window runs the replace command. Passing a screen does not clear strikes; "
-                    "`sdc-telemetry fleet` prints the same list. The Host and GPU variables narrow it (All: the "
-                    "whole fleet).",
-        targets=[_t(f"sort_desc(max by (hw_id, host_name) ({_STRIKES}{{{GPUS}}}))", table=True)],
+                    "`sdc-telemetry fleet` prints the same list. The selected job's GPUs without a strike show 0. The "
+                    "Host and GPU variables narrow it (All: the whole fleet).",
+        # The job's GPUs without a strike are listed at 0, so a clean GPU reads as clean rather than as missing.
+        targets=[_t(f"sort_desc(\n  max by (hw_id, host_name) ({_STRIKES}{{{GPUS}}})\n  or\n"
+                    f"  0 * max by (hw_id, host_name) ({_STEPS}{{{JOB}, {GPUS}}})\n)", table=True)],
         overrides=[*_table_overrides({"hw_id": "GPU UUID", "host_name": "Host", "Value": "Strikes"}),
                    # One strike: watch it; a second within the window: replace it.
                    {"matcher": {"id": "byName", "options": "Value"},

@@ -165,12 +165,14 @@ def test_gpu_dashboard_shows_every_nvml_family_and_joins_on_host_and_gpu() -> No
 
 
 def test_gpu_dashboard_has_a_fleet_panel_of_strikes_per_gpu() -> None:
-    """GPU health lists the ledger's strikes per GPU (sdc_fleet_gpu_strikes by hw_id and host_name, most first), a
-    family of the responder that carries no rank identity; a second strike is red."""
+    """GPU health lists the ledger's strikes per GPU (sdc_fleet_gpu_strikes by hw_id and host_name, most first; the
+    job's GPUs without a strike at 0), a family of the responder that carries no rank identity; a second strike is
+    red."""
     panel = next(p for p in _panels(_load(dashboards.GPU_UID)) if p["title"].startswith("Fleet"))
     assert panel["type"] == "table"
     (target,) = panel["targets"]
-    assert target["expr"].startswith("sort_desc(max by (hw_id, host_name) (sdc_fleet_gpu_strikes{")
+    assert target["expr"].startswith("sort_desc(\n  max by (hw_id, host_name) (sdc_fleet_gpu_strikes{")
+    assert "or\n  0 * max by (hw_id, host_name) (sdc_steps_total{" in target["expr"]
     assert target["instant"] is True and target["format"] == "table"
     strikes = family("sdc_fleet_gpu_strikes")
     assert (strikes.kind, strikes.labels, strikes.source) == ("gauge", ("hw_id", "host_name"), "fleet")
