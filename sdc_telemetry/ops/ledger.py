@@ -1,0 +1,359 @@
+"""The GPU ledger: which GPU was suspected when, and how its screens went.
+
+Offline diagnostics miss many GPUs that corrupt data silently, and a GPU that passes every test after a reboot can
+fail again weeks later, so a fleet keeps **strikes** per GPU (``hw_id``, the GPU UUID): every alert the responder acts
+on is one strike, with the host, the job, the step, the check, the alert and the time. A second strike for the same
+GPU within the strike window means "replace it", whatever a screen said in between: screens are recorded next to the
+strikes and never clear them.
+
+Two back ends, chosen by URL:
+
+- ``sqlite:///PATH`` (``sqlite:////abs/path`` or ``sqlite:///relative/path``): one file, for one responder. The
+  default, under :func:`default_state_dir`.
+- ``postgresql://user@host:port/db`` (or ``postgres://``): for several responders that share one ledger. Needs the
+  ``postgres`` extra (``pip install 'sdc_telemetry[postgres]'``, psycopg 3).
+
+Python::
+
+    from sdc_telemetry.ops.ledger import open_ledger
+
+    with open_ledger("sqlite:///var/lib/sdc-telemetry/ledger.sqlite3") as ledger:
+        ledger.add_strike("GPU-1f2e...", host_name="node-b", job="llm", step=1200, check="weights",
+                          alertname="SDCWeightFingerprintMismatch")
+        ledger.count_strikes("GPU-1f2e...", since=time.time() - 90 * 86400)   # -> 1
+        for gpu in ledger.fleet(window_s=90 * 86400):
+            print(gpu.hw_id, gpu.host_name, gpu.strikes_in_window, gpu.strikes)
+
+Standard library only for SQLite; nothing here is imported by a training process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sqlite3
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DEFAULT_STRIKE_WINDOW_S", "GPURecord", "Ledger", "LedgerError", "ScreenResult", "Strike",
+           "default_ledger_url", "default_state_dir", "open_ledger"]
+
+DEFAULT_STRIKE_WINDOW_S = 90 * 86400.0
+_MAX_TEXT = 512  # longest text kept per field: a label is data here, but an unbounded one is not
+_PG_SCHEMES = ("postgresql://", "postgres://")
+
+
+class LedgerError(RuntimeError):
+    """The ledger cannot be opened or used (bad URL, driver missing, database unreachable)."""
+
+
+@dataclass(frozen=True)
+class Strike:
+    """One acted alert against one GPU."""
+
+    hw_id: str
+    host_name: str
+    at: float                   # Unix time
+    job: str | None = None      # service_name of the training job
+    step: int | None = None
+    check: str | None = None    # the check that named the GPU (weights, replay, grad_local, grad_reduced)
+    alertname: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ScreenResult:
+    """One device's result in one ``sdc-telemetry screen`` run."""
+
+    host_name: str
+    device: str                 # cuda:0, cpu-worker:1 ...
+    passed: bool
+    at: float
+    hw_id: str | None = None
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class GPURecord:
+    """One GPU as ``fleet`` lists it: its strikes (all time and within the window) and its screens."""
+
+    hw_id: str
+    host_name: str              # the host of its latest strike
+    strikes: int                # all time
+    strikes_in_window: int      # within the strike window: 2 or more means "replace"
+    first_strike_at: float
+    last_strike_at: float
+    last_alertname: str | None
+    screens_passed: int
+    screens_failed: int
+    last_screen: str | None     # "pass", "fail", or None when never screened
+    last_screen_at: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def default_state_dir() -> Path:
+    """Where the responder keeps its ledger and state by default: ``$SDC_STATE_DIR``, else
+    ``/var/lib/sdc-telemetry`` when running as root, else ``$XDG_STATE_HOME/sdc-telemetry`` (``~/.local/state``)."""
+    env = os.environ.get("SDC_STATE_DIR")
+    if env:
+        return Path(env)
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        return Path("/var/lib/sdc-telemetry")
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "sdc-telemetry"
+
+
+def default_ledger_url() -> str:
+    """``sqlite:///<default_state_dir()>/ledger.sqlite3``."""
+    return f"sqlite:///{default_state_dir() / 'ledger.sqlite3'}"
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The file of a ``sqlite:///PATH`` URL (None for ``sqlite://`` in memory and for other schemes)."""
+    if not url.startswith("sqlite://"):
+        return None
+    rest = url[len("sqlite://"):]
+    if rest in ("", "/:memory:", ":memory:"):
+        return None
+    if not rest.startswith("/"):
+        raise LedgerError(f"ledger URL {url!r}: write sqlite:///PATH (three slashes; four for an absolute path)")
+    path = rest[1:]
+    if not path:
+        raise LedgerError(f"ledger URL {url!r} names no file")
+    return Path(path)
+
+
+def _clip(value: object) -> str | None:
+    if value is None:
+        return None
+    text = str(value)
+    # Lone surrogates cannot be stored as UTF-8: keep the rest of the value readable.
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text[:_MAX_TEXT]
+
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS sdc_strikes (id {serial}, hw_id TEXT NOT NULL, host_name TEXT NOT NULL, "
+    "job TEXT, step BIGINT, check_name TEXT, alertname TEXT, at DOUBLE PRECISION NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS sdc_strikes_hw_at ON sdc_strikes (hw_id, at)",
+    "CREATE TABLE IF NOT EXISTS sdc_screens (id {serial}, host_name TEXT NOT NULL, device TEXT NOT NULL, "
+    "hw_id TEXT, passed INTEGER NOT NULL, at DOUBLE PRECISION NOT NULL, detail TEXT)",
+    "CREATE INDEX IF NOT EXISTS sdc_screens_hw_at ON sdc_screens (hw_id, at)",
+)
+
+
+class Ledger:
+    """Strikes and screens in SQLite or PostgreSQL (see the module docstring). Thread-safe; a context manager.
+
+    ``Ledger(url)`` opens (and creates, for SQLite, with its directory) the database and its tables; a bad URL, a
+    missing driver or an unreachable server raise :class:`LedgerError` naming the problem.
+    """
+
+    def __init__(self, url: str) -> None:
+        if not isinstance(url, str) or not url:
+            raise LedgerError(f"ledger URL must be a non-empty string, got {url!r}")
+        self.url = url
+        self._lock = threading.Lock()
+        self._pg = url.startswith(_PG_SCHEMES)
+        if self._pg:
+            self._conn: Any = self._connect_pg()
+        elif url.startswith("sqlite://"):
+            path = sqlite_path(url)
+            try:
+                if path is not None:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                self._conn = sqlite3.connect(str(path) if path is not None else ":memory:", timeout=30.0,
+                                             check_same_thread=False, isolation_level=None)
+                if path is not None:
+                    self._conn.execute("PRAGMA journal_mode=WAL")
+                self._conn.execute("PRAGMA busy_timeout=30000")
+            except (OSError, sqlite3.Error) as e:
+                raise LedgerError(f"cannot open the SQLite ledger {url!r}: {e}") from None
+        else:
+            raise LedgerError(f"ledger URL {url!r}: use sqlite:///PATH or postgresql://USER@HOST:PORT/DB")
+        serial = "BIGSERIAL PRIMARY KEY" if self._pg else "INTEGER PRIMARY KEY AUTOINCREMENT"
+        for stmt in _SCHEMA:
+            self._execute(stmt.format(serial=serial))
+
+    def _connect_pg(self) -> Any:
+        try:
+            import psycopg
+        except ImportError:
+            raise LedgerError("a postgresql:// ledger needs psycopg 3: pip install 'sdc_telemetry[postgres]'") \
+                from None
+        try:
+            return psycopg.connect(self.url, autocommit=True, connect_timeout=10)
+        except psycopg.Error as e:
+            raise LedgerError(f"cannot connect to the PostgreSQL ledger {self.redacted_url}: {e}") from None
+
+    @property
+    def redacted_url(self) -> str:
+        """The URL with any password replaced by ``***`` (for logs and messages)."""
+        return re.sub(r"(://[^/:@]*:)[^@/]*@", r"\1***@", self.url)
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            try:
+                self._conn.close()
+            except Exception:  # noqa: BLE001, S110 - closing a broken connection has nothing left to do
+                pass
+
+    def __repr__(self) -> str:
+        return f"Ledger({self.redacted_url!r})"
+
+    # -- SQL -------------------------------------------------------------------------------------------------------
+
+    def _execute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """Run one statement (``?`` placeholders) and return its rows; one reconnect for a dropped PostgreSQL
+        connection; LedgerError otherwise."""
+        if self._pg:
+            sql = sql.replace("?", "%s")
+        with self._lock:
+            for attempt in (0, 1):
+                try:
+                    cur = self._conn.execute(sql, tuple(params))
+                    rows = cur.fetchall() if cur.description is not None else []
+                    return [tuple(r) for r in rows]
+                except sqlite3.Error as e:
+                    raise LedgerError(f"ledger {self.redacted_url}: {e}") from None
+                except Exception as e:
+                    if not self._pg:
+                        raise
+                    import psycopg
+
+                    if not isinstance(e, psycopg.Error):
+                        raise
+                    if attempt == 0 and (isinstance(e, psycopg.OperationalError) or self._conn.closed):
+                        try:
+                            self._conn.close()
+                        except Exception:  # noqa: BLE001, S110 - replaced just below
+                            pass
+                        try:
+                            self._conn = self._connect_pg()
+                        except LedgerError:
+                            raise LedgerError(f"ledger {self.redacted_url}: {e}") from None
+                        continue
+                    raise LedgerError(f"ledger {self.redacted_url}: {e}") from None
+        raise AssertionError("unreachable")
+
+    # -- strikes ---------------------------------------------------------------------------------------------------
+
+    def add_strike(self, hw_id: str, *, host_name: str, job: str | None = None, step: int | None = None,
+                   check: str | None = None, alertname: str | None = None, at: float | None = None) -> Strike:
+        """Record one strike against ``hw_id``; returns it."""
+        if not hw_id or not host_name:
+            raise ValueError(f"a strike needs a hw_id and a host_name, got {hw_id!r}, {host_name!r}")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+            raise ValueError(f"step must be an int or None, got {step!r}")
+        strike = Strike(hw_id=_clip(hw_id) or "", host_name=_clip(host_name) or "",
+                        at=float(time.time() if at is None else at), job=_clip(job), step=step, check=_clip(check),
+                        alertname=_clip(alertname))
+        self._execute("INSERT INTO sdc_strikes (hw_id, host_name, job, step, check_name, alertname, at) "
+                      "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                      (strike.hw_id, strike.host_name, strike.job, strike.step, strike.check, strike.alertname,
+                       strike.at))
+        return strike
+
+    def strikes(self, hw_id: str | None = None, *, since: float | None = None) -> list[Strike]:
+        """Strikes, oldest first: all, or of one GPU, or since a Unix time."""
+        where: list[str] = []
+        params: list[Any] = []
+        if hw_id is not None:
+            where.append("hw_id = ?")
+            params.append(hw_id)
+        if since is not None:
+            where.append("at >= ?")
+            params.append(float(since))
+        sql = "SELECT hw_id, host_name, at, job, step, check_name, alertname FROM sdc_strikes"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        rows = self._execute(sql + " ORDER BY at, id", params)
+        return [Strike(hw_id=r[0], host_name=r[1], at=float(r[2]), job=r[3], step=None if r[4] is None else int(r[4]),
+                       check=r[5], alertname=r[6]) for r in rows]
+
+    def count_strikes(self, hw_id: str, *, since: float | None = None) -> int:
+        """How many strikes ``hw_id`` has (since a Unix time, if given)."""
+        sql = "SELECT COUNT(*) FROM sdc_strikes WHERE hw_id = ?"
+        params: list[Any] = [hw_id]
+        if since is not None:
+            sql += " AND at >= ?"
+            params.append(float(since))
+        return int(self._execute(sql, params)[0][0])
+
+    # -- screens ---------------------------------------------------------------------------------------------------
+
+    def record_screen(self, *, host_name: str, device: str, passed: bool, hw_id: str | None = None,
+                      detail: str = "", at: float | None = None) -> ScreenResult:
+        """Record one device's screen result. A pass never clears a strike."""
+        result = ScreenResult(host_name=_clip(host_name) or "", device=_clip(device) or "", passed=bool(passed),
+                              at=float(time.time() if at is None else at), hw_id=_clip(hw_id),
+                              detail=(_clip(detail) or ""))
+        self._execute("INSERT INTO sdc_screens (host_name, device, hw_id, passed, at, detail) "
+                      "VALUES (?, ?, ?, ?, ?, ?)",
+                      (result.host_name, result.device, result.hw_id, int(result.passed), result.at, result.detail))
+        return result
+
+    def screens(self, host_name: str | None = None, *, hw_id: str | None = None) -> list[ScreenResult]:
+        """Screen results, oldest first: all, or of one host, or of one GPU."""
+        where: list[str] = []
+        params: list[Any] = []
+        if host_name is not None:
+            where.append("host_name = ?")
+            params.append(host_name)
+        if hw_id is not None:
+            where.append("hw_id = ?")
+            params.append(hw_id)
+        sql = "SELECT host_name, device, passed, at, hw_id, detail FROM sdc_screens"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        rows = self._execute(sql + " ORDER BY at, id", params)
+        return [ScreenResult(host_name=r[0], device=r[1], passed=bool(r[2]), at=float(r[3]), hw_id=r[4],
+                             detail=r[5] or "") for r in rows]
+
+    # -- the fleet -------------------------------------------------------------------------------------------------
+
+    def fleet(self, *, window_s: float = DEFAULT_STRIKE_WINDOW_S, now: float | None = None) -> list[GPURecord]:
+        """Every GPU with at least one strike, most strikes in the window first (then all-time, then latest)."""
+        since = (time.time() if now is None else now) - window_s
+        by_gpu: dict[str, list[Strike]] = {}
+        for s in self.strikes():
+            by_gpu.setdefault(s.hw_id, []).append(s)
+        screens: dict[str, list[ScreenResult]] = {}
+        for r in self.screens():
+            if r.hw_id is not None:
+                screens.setdefault(r.hw_id, []).append(r)
+        out = []
+        for hw_id, strikes in by_gpu.items():
+            mine = screens.get(hw_id, [])
+            last = mine[-1] if mine else None
+            out.append(GPURecord(
+                hw_id=hw_id, host_name=strikes[-1].host_name, strikes=len(strikes),
+                strikes_in_window=sum(1 for s in strikes if s.at >= since), first_strike_at=strikes[0].at,
+                last_strike_at=strikes[-1].at, last_alertname=strikes[-1].alertname,
+                screens_passed=sum(1 for r in mine if r.passed), screens_failed=sum(1 for r in mine if not r.passed),
+                last_screen=None if last is None else ("pass" if last.passed else "fail"),
+                last_screen_at=None if last is None else last.at))
+        out.sort(key=lambda g: (-g.strikes_in_window, -g.strikes, -g.last_strike_at, g.hw_id))
+        return out
+
+
+def open_ledger(url: str | None = None) -> Ledger:
+    """Open the ledger at ``url`` (default: :func:`default_ledger_url`)."""
+    return Ledger(url if url is not None else default_ledger_url())
