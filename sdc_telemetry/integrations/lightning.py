@@ -19,6 +19,13 @@ Where the callback hooks in (automatic optimization, Lightning 2.x). The forward
 - ``on_before_optimizer_step``: ends the step and runs the checks. Every rank reaches it after the backward pass
   (gradients reduced) and before gradient clipping and the update, also when a ``GradScaler`` then skips the update
   on one rank. ``SDCDetected`` is raised here on every rank at the same step and propagates out of ``fit``.
+- ``on_save_checkpoint``: certifies the weights (``monitor.certificate()``, labelled with ``trainer.global_step``,
+  the step Lightning saves in the checkpoint) and stores ``cert.to_dict()`` under ``checkpoint["sdc_certificate"]``,
+  so that ``sdc-telemetry verify-checkpoint`` checks the ``.ckpt`` file. Lightning calls it on every rank while
+  building the checkpoint (``ModelCheckpoint``, ``trainer.save_checkpoint``, which must run on every rank), and
+  the certificate is collective. A checkpoint saved with nothing to certify (after an exception, after the fit, while
+  a hardware suspect is open with ``on_suspect="record"``) carries no certificate, and the reason is logged.
+  Lightning does not call callbacks for weights-only checkpoints (``save_weights_only=True``): those carry none.
 - ``on_exception`` and ``teardown``: close the monitor.
 
 Manual optimization and several optimizers are not supported (there is no single point per step every rank
@@ -28,13 +35,16 @@ reaches); the callback says so when the fit starts.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.trainer.states import TrainerStatus
 
 from sdc_telemetry.core.config import SDCConfig
+from sdc_telemetry.integrations._certify import CERTIFICATE_KEY, certify
 from sdc_telemetry.monitor import SDCMonitor
 from sdc_telemetry.sinks.observer import Observer
 from sdc_telemetry.step import StepContext
@@ -42,6 +52,8 @@ from sdc_telemetry.step import StepContext
 __all__ = ["SDCCallback", "training_step_loss"]
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+log = logging.getLogger("sdc_telemetry")
 
 
 def training_step_loss(module: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -119,6 +131,10 @@ class SDCCallback(pl.Callback):
 
         self.monitor = SDCMonitor(model, trainer.optimizers[0], loss_fn=loss_fn, config=self.config,
                                   start_step=trainer.global_step, observer=self.observer)
+        if trainer.is_global_zero and any(getattr(cb, "save_weights_only", False)
+                                          for cb in trainer.checkpoint_callbacks):
+            log.warning("sdc_telemetry: ModelCheckpoint(save_weights_only=True) checkpoints carry no weight "
+                        "certificate (Lightning does not call callbacks for them): resume from full checkpoints")
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -143,6 +159,14 @@ class SDCCallback(pl.Callback):
         step, self._step = self._step, None
         if step is not None:
             step.end()
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        checkpoint.pop(CERTIFICATE_KEY, None)
+        monitor = self.monitor if trainer.state.status == TrainerStatus.RUNNING else None  # not on an exception path
+        cert = certify(monitor, trainer.global_step, f"the checkpoint of step {trainer.global_step}")
+        if cert is not None:
+            checkpoint[CERTIFICATE_KEY] = cert.to_dict()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._close()

@@ -24,6 +24,12 @@ the points where events suffice:
 - ``on_pre_optimizer_step``: ends the step and runs the checks. Every rank reaches it after the last micro-batch's
   backward (gradients reduced) and before ``optimizer.step()``, also when the scaler then skips the update on one
   rank. ``SDCDetected`` raised here propagates out of ``trainer.train()`` on every rank at the same step.
+- ``_save_checkpoint`` (the Trainer's save of ``checkpoint-N``, on every rank): certifies the weights first
+  (``monitor.certificate()``, collective, labelled with ``state.global_step``, the ``N`` of ``checkpoint-N``) and
+  writes ``sdc_certificate.json`` into the checkpoint directory from the process that saves (``args.should_save``)
+  before the Trainer writes the model there, so that a hub push of the checkpoint carries it too. A checkpoint saved
+  with nothing to certify (a hardware suspect still open with ``on_suspect="record"``) carries no certificate, and
+  the reason is logged. ``sdc-telemetry verify-checkpoint checkpoint-N`` checks the directory.
 - ``on_train_end``, and the end of ``train()`` whatever happened: close the monitor.
 
 The replay recomputes a micro-batch with the Trainer's own ``compute_loss`` on the unwrapped model (the same code,
@@ -33,6 +39,8 @@ micro-batch's ``num_items_in_batch``. DeepSpeed and FSDP are not supported.
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +48,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from sdc_telemetry.core.config import SDCConfig
+from sdc_telemetry.integrations._certify import certify, write_certificate
 from sdc_telemetry.monitor import SDCMonitor
 from sdc_telemetry.sinks.observer import Observer
 from sdc_telemetry.step import StepContext
@@ -49,6 +58,8 @@ __all__ = ["SDCTrainer", "SDCTrainerMixin"]
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
 _INPUTS, _NUM_ITEMS = "inputs", "num_items_in_batch"
+
+log = logging.getLogger("sdc_telemetry")
 
 
 class SDCTrainerMixin:
@@ -112,6 +123,26 @@ class SDCTrainerMixin:
         self._sdc_step.record_loss(loss, scale=self._sdc_scale(num_items_in_batch),
                                    scaler=self._trainer.accelerator.scaler)
         return out
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any, *args: Any, **kwargs: Any) -> None:
+        t = self._trainer
+        step = t.state.global_step
+        name = f"checkpoint-{step}"  # transformers' PREFIX_CHECKPOINT_DIR, numbered by global_step like the Trainer
+        cert = certify(self.sdc_monitor, step, name)  # every rank: the Trainer saves on every rank
+        if t.args.should_save:
+            get_dir = getattr(t, "_get_output_dir", None)
+            run_dir = get_dir(trial=trial) if callable(get_dir) else t.args.output_dir
+            directory = os.path.join(str(run_dir), name)
+            try:
+                write_certificate(directory, cert)
+            except OSError:
+                log.exception("sdc_telemetry: writing the weight certificate of %s failed; it is saved without one",
+                              name)
+                try:  # an older certificate in a reused directory must not stay
+                    write_certificate(directory, None)
+                except OSError:
+                    log.debug("sdc_telemetry: removing %s's stale certificate failed", name, exc_info=True)
+        super()._save_checkpoint(model, trial, *args, **kwargs)  # type: ignore[misc]
 
     def _sdc_scale(self, num_items_in_batch: torch.Tensor | int | None) -> float:
         """The factor ``training_step`` and ``accelerator.backward`` apply to ``compute_loss``'s result."""

@@ -8,6 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -53,15 +54,19 @@ def _loader() -> DataLoader[Any]:
 
 
 def fit(world: int, config: sdc.SDCConfig, *, accumulate: int = 1, steps: int = 4,
-        flip: tuple[int, int] | None = None) -> dict[str, Any]:
+        flip: tuple[int, int] | None = None, checkpoint_dir: str | None = None) -> dict[str, Any]:
+    """One fit; with ``checkpoint_dir``, a ModelCheckpoint saves every 2 optimizer steps (ckpt-<global_step>.ckpt)."""
     torch.manual_seed(0)
     counter = ResultCounter()
     callback = SDCCallback(config=config, observer=counter)
     callbacks: list[pl.Callback] = [FlipWeightBit(*flip)] if flip else []
+    if checkpoint_dir is not None:
+        callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, filename="ckpt-{step}", auto_insert_metric_name=False,
+                                         every_n_train_steps=2, save_top_k=-1))
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy="ddp", max_steps=steps,
                          accumulate_grad_batches=accumulate, callbacks=[*callbacks, callback], logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0)
+                         enable_checkpointing=checkpoint_dir is not None, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0)
     raised = None
     try:
         trainer.fit(TinyModule(), _loader())

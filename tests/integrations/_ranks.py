@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import sdc_telemetry as sdc
@@ -38,13 +42,21 @@ def summary(incidents: list[sdc.Incident], observer: ResultCounter, raised: sdc.
             **extra}
 
 
-def assert_healthy_and_replayed(results: list[dict[str, Any]], steps: int = 4, audits: int = 2) -> None:
+def assert_healthy_and_replayed(results: list[dict[str, Any]], steps: int = 4, audits: int = 2,
+                                certificates: int = 0) -> None:
     """Every rank: no incident, nothing raised, ``steps`` optimizer steps, ``audits`` replay passes, weights and
-    grad_local passing every step, and no failed, errored or skipped check."""
+    grad_local passing every step (and weights once more for each of ``certificates``, which check the weights
+    first), and no failed, errored or skipped check."""
     for rank, r in enumerate(results):
         assert r["raised"] is None and r["incidents"] == [], f"rank {rank}: {r}"
         assert r["global_step"] == steps
         assert r["results"].get(("replay", "pass")) == audits, f"rank {rank}: {r['results']}"
-        assert r["results"].get(("weights", "pass")) == steps
+        assert r["results"].get(("weights", "pass")) == steps + certificates
         assert r["results"].get(("grad_local", "pass")) == steps
         assert not any(res in ("fail", "error", "skipped") for _, res in r["results"])
+
+
+def verify_cli(path: str | os.PathLike[str]) -> subprocess.CompletedProcess[str]:
+    """``sdc-telemetry verify-checkpoint PATH`` through the installed command."""
+    return subprocess.run([str(Path(sys.executable).parent / "sdc-telemetry"), "verify-checkpoint", os.fspath(path)],
+                          capture_output=True, text=True, timeout=120, check=False)

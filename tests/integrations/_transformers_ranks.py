@@ -36,15 +36,17 @@ def _dataset() -> list[dict[str, torch.Tensor]]:
 
 
 def train(config: sdc.SDCConfig, *, accumulate: int = 1, steps: int = 4, flip: tuple[int, int] | None = None,
-          token_normalised: bool = True) -> dict[str, Any]:
+          token_normalised: bool = True, save_dir: str | None = None) -> dict[str, Any]:
+    """One train(); with ``save_dir`` (the same on every rank), the Trainer saves checkpoint-N every 2 steps there."""
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=16, vocab_size=64))
     counter = ResultCounter()
-    with tempfile.TemporaryDirectory(prefix="sdc-hf-") as out:
-        args = TrainingArguments(output_dir=out, use_cpu=True, per_device_train_batch_size=2,
+    with tempfile.TemporaryDirectory(prefix="sdc-hf-") as tmp:
+        saving = {"save_strategy": "steps", "save_steps": 2} if save_dir else {"save_strategy": "no"}
+        args = TrainingArguments(output_dir=save_dir or tmp, use_cpu=True, per_device_train_batch_size=2,
                                  gradient_accumulation_steps=accumulate, max_steps=steps, learning_rate=1e-3,
-                                 report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True,
-                                 dataloader_num_workers=0, seed=0)
+                                 report_to="none", logging_strategy="no", disable_tqdm=True,
+                                 dataloader_num_workers=0, seed=0, **saving)
         trainer = SDCTrainer(model=model, args=args, train_dataset=_dataset(),
                              callbacks=[FlipWeightBit(*flip)] if flip else None,
                              sdc_config=config, sdc_observer=counter)

@@ -3,29 +3,37 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
+import torch
 
 import sdc_telemetry as sdc
+from sdc_telemetry.faults import flip_bit
 from sdc_telemetry.testing import spawn_ranks
 
 if not os.environ.get("CI"):
     pytest.importorskip("lightning")
 
 from . import _lightning_ranks
-from ._ranks import assert_healthy_and_replayed, launcher_env
+from ._ranks import assert_healthy_and_replayed, launcher_env, verify_cli
 
 WORLD = 3
 QUIET = {"metrics_port": None, "nvml": False}
 
 
 @pytest.fixture(scope="module")
-def fits() -> list[list[dict]]:
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("lightning-ckpt")
+
+
+@pytest.fixture(scope="module")
+def fits(checkpoint_dir: Path) -> list[list[dict]]:
     runs = [
         {"config": sdc.SDCConfig(weights_every=1, replay_every=0, on_suspect="raise", **QUIET), "steps": 6,
          "flip": (1, 2)},
         {"config": sdc.SDCConfig(weights_every=1, replay_every=2, on_suspect="raise", **QUIET), "steps": 4,
-         "accumulate": 2},
+         "accumulate": 2, "checkpoint_dir": str(checkpoint_dir)},
     ]
     return spawn_ranks(_lightning_ranks.run, WORLD, (runs,), timeout=300, rank_env=launcher_env(WORLD))
 
@@ -44,8 +52,31 @@ def test_weight_bit_flip_stops_fit_on_every_rank(fits: list[list[dict]]) -> None
 
 def test_healthy_accumulated_fit_replays_without_incident(fits: list[list[dict]]) -> None:
     """With accumulate_grad_batches=2 and replay_every=2, four healthy steps raise nothing, and steps 0 and 2 are
-    replayed on every rank (two replay passes, weights pass every step)."""
-    assert_healthy_and_replayed([per_run[1] for per_run in fits])
+    replayed on every rank (two replay passes, weights pass every step and at each of the two checkpoints)."""
+    assert_healthy_and_replayed([per_run[1] for per_run in fits], certificates=2)
+
+
+def test_checkpoints_carry_a_certificate_of_their_global_step(fits: list[list[dict]], checkpoint_dir: Path) -> None:
+    """Every .ckpt ModelCheckpoint saved holds a certificate labelled with the checkpoint's own global_step and the
+    last audit that had passed (audits at steps 0 and 2); verify-checkpoint exits 0 on it, and 1 naming the tensor
+    after one element of the saved weights is flipped."""
+    assert fits[0][1]["global_step"] == 4
+    saved = sorted(checkpoint_dir.glob("ckpt-*.ckpt"))
+    assert [p.name for p in saved] == ["ckpt-2.ckpt", "ckpt-4.ckpt"]
+    for path, audit in zip(saved, (0, 2), strict=True):
+        ckpt = torch.load(path, weights_only=True)
+        cert = ckpt["sdc_certificate"]
+        step = int(path.stem.removeprefix("ckpt-"))
+        assert (cert["step"], ckpt["global_step"], cert["last_passing_audit"]) == (step, step, audit)
+        assert set(cert["fingerprints"]) == set(ckpt["state_dict"]) == {"net.0.weight", "net.0.bias", "net.3.weight",
+                                                                        "net.3.bias"}
+        assert cert["world_size"] == WORLD
+        r = verify_cli(path)
+        assert r.returncode == 0 and "intact: 4 tensors verified" in r.stdout, r.stderr
+        flip_bit(ckpt["state_dict"]["net.3.weight"], index=4, bit=1)
+        torch.save(ckpt, checkpoint_dir / f"flipped-{path.name}")
+        r = verify_cli(checkpoint_dir / f"flipped-{path.name}")
+        assert r.returncode == 1 and r.stdout.splitlines()[1:] == ["  net.3.weight"], r.stdout
 
 
 def test_bad_arguments_are_named() -> None:
