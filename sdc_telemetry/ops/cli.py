@@ -501,46 +501,10 @@ def _print_screen(report: Any, recorded: str | None) -> None:
     print("result: " + ("PASS: every device agrees, bit for bit" if report.passed else "FAIL"))
 
 
-def verify_checkpoint(path: str, key: str | None) -> int:
-    import torch
+def verify_checkpoint(args: argparse.Namespace) -> int:
+    from sdc_telemetry.ops.checkpoints import run
 
-    from sdc_telemetry.core.certificate import WeightCertificate
-
-    def fail(msg: str) -> int:
-        print(f"sdc-telemetry verify-checkpoint: {path}: {msg}", file=sys.stderr)
-        return 2
-
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unreadable file is reported the same way
-        return fail(f"cannot load with torch.load(weights_only=True): {type(e).__name__}: {e}")
-    if not isinstance(ckpt, dict):
-        return fail(f"the checkpoint is a {type(ckpt).__name__}, not a dict holding 'sdc_certificate'")
-    if "sdc_certificate" not in ckpt:
-        return fail("no 'sdc_certificate' entry: save cert.to_dict() from monitor.certificate() with the model")
-    try:
-        cert = WeightCertificate.from_dict(ckpt["sdc_certificate"])
-    except ValueError as e:
-        return fail(f"malformed certificate: {e}")
-    if key is not None and key not in ckpt:
-        return fail(f"no entry {key!r} (entries: {', '.join(map(str, ckpt))})")
-    name = key if key is not None else ("model" if "model" in ckpt else None)
-    state = ckpt[name] if name is not None else {k: v for k, v in ckpt.items() if k != "sdc_certificate"}
-    if not isinstance(state, dict):
-        return fail(f"entry {name!r} is a {type(state).__name__}, not a state dict")
-    try:
-        bad = cert.verify(state)
-    except ValueError as e:
-        return fail(str(e))
-    n = len(cert.fingerprints)
-    if not bad:
-        print(f"intact: {n} tensors verified (step {cert.step})")
-        return 0
-    print(f"CORRUPT: {len(bad)} of {n} tensors differ from the certificate of step {cert.step} "
-          f"(changed, missing, or of another shape or dtype):")
-    for b in bad:
-        print(f"  {b}")
-    return 1
+    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -554,10 +518,10 @@ def main(argv: list[str] | None = None) -> int:
     _fleet_args(sub.add_parser("fleet", help="list the GPUs in the strike ledger, most strikes first"))
     _screen_args(sub.add_parser("screen", help="seeded known-answer workloads on every local device, compared bit "
                                                "for bit; names the odd device"))
-    p = sub.add_parser("verify-checkpoint", help="check a checkpoint's weights against its SDC weight certificate")
-    p.add_argument("path", help="a torch.save'd dict holding 'sdc_certificate' and the model state dict")
-    p.add_argument("--key", default=None,
-                   help="entry holding the state dict (default: 'model', else the top-level dict itself)")
+    from sdc_telemetry.ops.checkpoints import add_arguments as _verify_args
+
+    _verify_args(sub.add_parser("verify-checkpoint", help="check checkpoints against their SDC weight certificates, "
+                                "or choose the one to resume from after an incident (--before-step)"))
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo(args)
@@ -568,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "screen":
         return screen(args)
     if args.command == "verify-checkpoint":
-        return verify_checkpoint(args.path, args.key)
+        return verify_checkpoint(args)
     return regenerate(args.command, args.out)
 
 
