@@ -40,7 +40,7 @@ from sdc_telemetry.core.config import SDCConfig
 from sdc_telemetry.core.episodes import Episodes
 from sdc_telemetry.core.findings import Finding
 from sdc_telemetry.core.identity import RankIdentity, numerics_signature
-from sdc_telemetry.core.incident import Incident, SDCDetected
+from sdc_telemetry.core.incident import Incident, SDCDetected, root_cause
 from sdc_telemetry.core.setup import agree_setup, resolve_mode
 from sdc_telemetry.parallel import layout_for
 from sdc_telemetry.sinks import Sinks
@@ -254,9 +254,10 @@ class SDCMonitor:
             dtypes={n: str(p.dtype).removeprefix("torch.") for n, p in named}, world_size=self._world))
 
     def _certified(self, cert: WeightCertificate) -> WeightCertificate:
-        if "last_passing_audit" not in {f.name for f in dataclasses.fields(cert)}:
-            return cert
-        return dataclasses.replace(cert, last_passing_audit=self._last_passing_audit)  # type: ignore[call-arg]
+        """The certificate with the last passing audit and the module's buffer names (not fingerprinted, so that a
+        full ``state_dict()`` verifies)."""
+        return dataclasses.replace(cert, last_passing_audit=self._last_passing_audit,
+                                   buffers=tuple(n for n, _ in self.module.named_buffers()))
 
     def close(self) -> None:
         """Remove the hooks, flush a pending page (bounded), mark telemetry closed. A second call does nothing.
@@ -537,11 +538,12 @@ class SDCMonitor:
         self.sinks.report(StepReport(
             step=m.step, counts_step=counts_step, results=results, durations=durations,
             grad_norms=self._grad_norms(m, results), replay=replay, weights_agree=weights_agree,
-            incidents=tuple(opened), suspect_checks=tuple(i.check for i in mine), errors=errors))
-        raising = [i for i in opened if i.suspect_ranks]
+            incidents=tuple(opened), suspect_checks=tuple(i.check for i in mine),
+            ambiguous_checks=tuple(i.check for i in mine if i.evidence.get("ambiguous") is True), errors=errors))
+        raising = root_cause([i for i in opened if i.suspect_ranks])
         if raising and self.config.on_suspect == "raise":
             self._abandoned = True  # the loop stops: close() must not run collectives the others never join
-            raise SDCDetected(raising[0])
+            raise SDCDetected(raising[0], raising)
         return opened
 
     def _suspects(self, ranks: tuple[int, ...]) -> tuple[RankIdentity, ...]:

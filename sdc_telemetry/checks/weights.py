@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 import torch.distributed as dist
 
-from sdc_telemetry.core.collective import gather_rows
+from sdc_telemetry.core.collective import agree, collective_device, gather_rows
 from sdc_telemetry.core.evidence import MAX_ITEMS, top
 from sdc_telemetry.core.findings import Finding
 from sdc_telemetry.core.fingerprint import digest, fingerprint, format_fingerprint
@@ -38,6 +38,9 @@ class WeightsCheck:
         self._classes = list(classes) if classes is not None else None
         self.table: torch.Tensor | None = None  # (P, C) of the last measure()
         self.majority: list[tuple[int, ...]] | None = None  # the majority's rows after a disagreement
+        self._pos = self._ranks.index(dist.get_rank()) if dist.is_initialized() else 0
+        # The last vote: each class's reference position, the positions off their reference, and the finding.
+        self._split: tuple[dict[str, int], set[int], Finding | None] | None = None
 
     def measure(self) -> torch.Tensor:
         """This rank's fingerprint table, kept for a later ``gather``; returns its digest (0-d, on device)."""
@@ -46,18 +49,42 @@ class WeightsCheck:
 
     def verdict(self, step: int, error_any: bool, error_mine: bool, agree: bool, table: torch.Tensor | None,
                 writer: bool) -> tuple[Finding | None, str]:
-        """The step's weight verdict and this rank's result, from the agreement (every rank alike); the table is
-        gathered only when the digests differ."""
+        """The step's weight verdict and this rank's result, from the agreement (every rank alike).
+
+        While a divergence persists (record mode), every rank's table is gathered again only when the pattern of
+        the disagreement changes (``_same_split``: two fixed-size all-reduces), not at every step."""
         if error_any:
             if writer:
                 log.warning("sdc_telemetry: step %d: weight check could not run: a rank failed to fingerprint its "
                             "parameters", step)
             return None, "error" if error_mine else "skipped"
         if agree:
+            self._split = None
             return None, "pass"
         assert table is not None
-        finding = self.gather(table)
+        if self._split is not None and self._same_split(table):
+            finding = self._split[2]
+        else:
+            finding = self.gather(table)
         return finding, "fail" if finding is not None else "pass"
+
+    def _same_split(self, table: torch.Tensor) -> bool:
+        """Collective: do the same ranks still disagree with their class's consensus as at the last vote? Each
+        class's reference rank (a member of its consensus) contributes its digest, every rank compares its own."""
+        assert self._split is not None
+        refs, off_before, _ = self._split
+        keys = sorted({repr(k) for k in (self._classes or [0] * len(self._ranks))})
+        mine = repr(self._classes[self._pos] if self._classes is not None else 0)
+        d = int(digest(table).item())
+        wire = collective_device(self._group, table.device)
+        vec = torch.full((len(keys),), torch.iinfo(torch.int64).min, dtype=torch.int64)
+        if refs.get(mine) == self._pos:
+            vec[keys.index(mine)] = d
+        high, _ = agree(vec.to(wire), self._group)
+        off = mine in refs and d != high[keys.index(mine)]
+        changed, _ = agree(torch.tensor([int(off != (self._pos in off_before))], dtype=torch.int64, device=wire),
+                           self._group)
+        return not changed[0]
 
     def gather(self, table: torch.Tensor) -> Finding | None:
         """Rare path (digests differ): gather every rank's ``table`` (of the step being decided) and vote, within
@@ -68,7 +95,30 @@ class WeightsCheck:
         finding = decide(tables, self._ranks, self.names, self._classes)
         ref = finding.evidence.get("majority_rank") if finding is not None else None
         self.majority = tables[self._ranks.index(ref)] if isinstance(ref, int) else None
+        refs, off = _split_of(tables, self._classes)
+        self._split = (refs, off, finding)
         return finding
+
+
+def _split_of(tables: Sequence[Sequence[Sequence[int]]], classes: Sequence[Hashable] | None
+              ) -> tuple[dict[str, int], set[int]]:
+    """How the ranks split at a vote: a reference position per class of two or more members (the first of its
+    largest group of identical tables) and the positions whose table differs from their class's reference."""
+    groups: dict[str, list[int]] = {}
+    for pos in range(len(tables)):
+        groups.setdefault(repr(classes[pos] if classes is not None else 0), []).append(pos)
+    refs: dict[str, int] = {}
+    off: set[int] = set()
+    for key, members in groups.items():
+        if len(members) < 2:
+            continue
+        same: dict[tuple[tuple[int, ...], ...], list[int]] = {}
+        for p in members:
+            same.setdefault(tuple(tuple(row) for row in tables[p]), []).append(p)
+        ref = max(same.values(), key=len)[0]
+        refs[key] = ref
+        off |= {p for p in members if tables[p] != tables[ref]}
+    return refs, off
 
 
 def decide(tables: Sequence[Sequence[Sequence[int]]], ranks: Sequence[int], names: Sequence[str],

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from sdc_telemetry.core.identity import RankIdentity
 
-__all__ = ["Incident", "SDCDetected", "EXIT_SDC"]
+__all__ = ["Incident", "SDCDetected", "EXIT_SDC", "CAUSAL_ORDER", "root_cause"]
 
 
 @dataclass
@@ -90,6 +91,18 @@ class SDCDetected(RuntimeError):
 
     exit_code = EXIT_SDC
 
-    def __init__(self, incident: Incident) -> None:
+    def __init__(self, incident: Incident, incidents: Sequence[Incident] | None = None) -> None:
         super().__init__(incident.describe())
-        self.incident = incident
+        self.incident = incident  # the root cause, in causal order (see ``root_cause``)
+        self.incidents: list[Incident] = list(incidents) if incidents is not None else [incident]
+
+
+# What can cause what within one step: corrupted weights break the step's gradients, a non-finite local gradient
+# spreads through the reduction, and every one of them makes the replay disagree.
+CAUSAL_ORDER = ("weights", "grad_local", "grad_reduced", "replay")
+
+
+def root_cause(incidents: Sequence[Incident]) -> list[Incident]:
+    """``incidents`` in causal order: the first is the root cause of the others found at the same step."""
+    rank = {check: i for i, check in enumerate(CAUSAL_ORDER)}
+    return sorted(incidents, key=lambda i: rank.get(i.check, len(rank)))

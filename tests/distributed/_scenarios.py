@@ -116,6 +116,7 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
     start_step = sc.get("start_step", 0)
     faults = FaultInjector(ddp, opt, start_step=start_step)
     _plan(faults, sc.get("fault"))
+    _plan(faults, sc.get("fault2"))
     config = sdc.SDCConfig(**{"metrics_port": None, "nvml": False, **sc.get("config", {})})
     if sc.get("signature_by_rank"):
         os.environ["SDC_NUMERICS_SIGNATURE"] = f"stack-{rank % 2}"
@@ -132,6 +133,15 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
         opt.register_step_pre_hook(lambda *_: undisturbed.append(_same_state(snapshots[-1], _state(net))))
     if sc.get("defer"):  # the CUDA policy (verdicts read one step later), exercised on CPU ranks
         monitor._defer_verdicts = True
+    gathers = [0]
+    if monitor._weights is not None:  # counts the rare-path gathers of every rank's fingerprint table
+        real_gather = monitor._weights.gather
+
+        def counted_gather(table: torch.Tensor) -> Any:
+            gathers[0] += 1
+            return real_gather(table)
+
+        monitor._weights.gather = counted_gather  # type: ignore[method-assign]
     stopped_in_step = None
     if sc.get("bad_batch"):
         try:
@@ -153,6 +163,7 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
         return {"error": None}
     gen = torch.Generator().manual_seed(1000 + rank)
     raised_at, raised_after_s, closed_after_s = None, None, None
+    raised_checks: list[str] = []
     accumulate = sc.get("accumulate", 1)
     no_sync = sc.get("no_sync", True)
     autocast = sc.get("autocast", False)
@@ -207,6 +218,7 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
     except sdc.SDCDetected as e:
         stopped_in_step = monitor.current_step
         raised_at = e.incident.step
+        raised_checks = [i.check for i in e.incidents]
         raised_after_s = time.monotonic() - start
         t = time.monotonic()
         monitor.close()
@@ -216,6 +228,7 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
     return {
         "incidents": [i.to_dict() for i in monitor.incidents],
         "raised_at": raised_at,
+        "raised_checks": raised_checks,
         "stopped_in_step": stopped_in_step,
         "raised_after_s": raised_after_s,
         "closed_after_s": closed_after_s,
@@ -230,6 +243,7 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
         "mode": monitor.mode,
         "steps_reported": [r.step for r in recorder.reports if r.counts_step] if recorder else [],
         "durations": [r.durations for r in recorder.reports] if recorder else [],
+        "gathers": gathers[0],
     }
 
 

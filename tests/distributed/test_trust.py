@@ -31,6 +31,10 @@ def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "nan_everywhere": {"config": {"replay_every": 0, "on_suspect": "raise"}, "steps": 6, "nan_all_step": 2},
         "persistent": {"config": {"replay_every": 0, "incident_dir": str(incident_dir)}, "steps": 40,
                        "fault": flip},
+        "root_cause": {"config": {"replay_every": 0, "on_suspect": "raise"}, "steps": 6,
+                       "fault": {**flip, "bit": 30}},
+        "second_divergence": {"config": {"replay_every": 0}, "steps": 12, "fault": flip,
+                              "fault2": {**flip, "rank": 2, "step": 8, "index": 11}},
         "scaler_comm": {"config": {"replay_every": 0}, "steps": 6, "scaler": True,
                         "fault": {"kind": "corrupt_reduced_grad", "rank": 2, "step": 3, "index": 1,
                                   "value": math.inf}},
@@ -100,6 +104,20 @@ def test_one_persistent_fault_is_one_episode(three_ranks: dict[str, Any]) -> Non
     records = [json.loads(line) for line in lines]
     assert 2 <= len(records) <= 5
     assert records[0]["record"] == "incident" and records[1] == {**records[1], "record": "update", "count": 10}
+    # The divergence keeps its pattern: the fingerprint tables are gathered once, not at each of the 37 steps.
+    assert all(r["gathers"] == 1 for r in per_rank)
+
+
+def test_a_new_divergence_during_an_episode_is_seen_at_its_step(three_ranks: dict[str, Any]) -> None:
+    """Record mode: a second rank's weights diverging while the first episode is open changes the pattern, so the
+    tables are gathered again at that step and the new split is reported (here: no majority left, ambiguous)."""
+    per_rank = three_ranks["second_divergence"]
+    _same_everywhere(per_rank)
+    incidents = per_rank[0]["incidents"]
+    assert [(i["step"], i["check"]) for i in incidents] == [(3, "weights"), (8, "weights")]
+    assert incidents[0]["suspect_ranks"] == [1] and incidents[0]["last_step"] == 7
+    assert incidents[1]["evidence"]["ambiguous"] is True and 2 in incidents[1]["suspect_ranks"]
+    assert all(r["gathers"] == 2 for r in per_rank), [r["gathers"] for r in per_rank]
 
 
 def test_grad_scaler_with_rank_local_inf_detected_without_hang(three_ranks: dict[str, Any]) -> None:
@@ -198,3 +216,13 @@ def test_deferred_verdicts_report_the_measured_step_one_step_later(three_ranks: 
     _same_everywhere(record)
     assert _verdicts(record[0]) == [(3, "weights", (1,))]  # the last step's verdict was settled by close()
     assert record[0]["steps_reported"] == [0, 1, 2, 3]
+
+
+def test_sdc_detected_names_the_root_cause_in_causal_order(three_ranks: dict[str, Any]) -> None:
+    """A weight corrupted to a huge value also makes that rank's next gradients non-finite: both are found at the
+    same step, and SDCDetected.incident is the weights incident, with every incident of the step after it."""
+    per_rank = three_ranks["root_cause"]
+    _same_everywhere(per_rank)
+    for r in per_rank:
+        assert r["raised_at"] == 3
+        assert r["raised_checks"][0] == "weights" and "grad_local" in r["raised_checks"], r["raised_checks"]
