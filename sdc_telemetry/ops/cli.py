@@ -523,6 +523,21 @@ def main(argv: list[str] | None = None) -> int:
     _verify_args(sub.add_parser("verify-checkpoint", help="check checkpoints against their SDC weight certificates, "
                                 "or choose the one to resume from after an incident (--before-step)"))
     args = parser.parse_args(argv)
+    try:
+        return _dispatch(args)
+    except ModuleNotFoundError as e:
+        if e.name not in _OPS_EXTRA:
+            raise
+        print(f"sdc-telemetry {args.command} needs {e.name}, part of the ops tooling: pip install "
+              "'sdc_telemetry[ops]'", file=sys.stderr)
+        return 2
+
+
+# Modules of the `ops` extra: the rule and dashboard generators and the local stack need them, training never does.
+_OPS_EXTRA = ("yaml", "grafanalib")
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "demo":
         return demo(args)
     if args.command == "respond":
