@@ -105,7 +105,8 @@ def _same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(sc.get("seed", 0))
     net = Net(batchnorm=sc.get("batchnorm", False))
-    ddp = DistributedDataParallel(net, find_unused_parameters=sc.get("find_unused", False))
+    ddp = DistributedDataParallel(net, find_unused_parameters=sc.get("find_unused", False),
+                                  gradient_as_bucket_view=sc.get("bucket_view", False))
     if sc.get("freeze_after_wrap"):
         net.get_parameter(sc["freeze_after_wrap"]).requires_grad_(False)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
@@ -114,6 +115,14 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
     if sc.get("watch_state"):  # before the update: what the monitor's work at the end of the step changed
         opt.register_step_pre_hook(lambda *_: snapshots.append(_state(net)))
     start_step = sc.get("start_step", 0)
+    if sc.get("unmonitored"):  # the same training without the monitor: the reference for bitwise identity
+        gen = torch.Generator().manual_seed(1000 + rank)
+        for _ in range(sc.get("steps", 8)):
+            batch = {"x": torch.randn(8, 16, generator=gen), "y": torch.randint(0, 4, (8,), generator=gen)}
+            loss_fn(ddp, batch).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=sc.get("set_to_none", True))
+        return {"weights": {n: p.detach().clone() for n, p in net.named_parameters()}, "incidents": []}
     faults = FaultInjector(ddp, opt, start_step=start_step)
     _plan(faults, sc.get("fault"))
     _plan(faults, sc.get("fault2"))
@@ -124,7 +133,8 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
     chosen_loss = {"broken": broken_loss_fn, "tuple": tuple_loss_fn}.get(sc.get("loss", ""), loss_fn)
     try:
         monitor = sdc.SDCMonitor(ddp, opt, loss_fn=chosen_loss if config.replay_every else None, config=config,
-                                 comm_hook=faults.comm_hook, start_step=start_step, observer=recorder)
+                                 comm_hook=None if sc.get("plain_hook") else faults.comm_hook, start_step=start_step,
+                                 observer=recorder)
     except ValueError as e:
         return {"error": str(e)}
     finally:

@@ -130,7 +130,7 @@ def test_common_training_loop_shapes_raise_no_false_alarm() -> None:
 def test_healthy_long_run_replay_tolerance_accumulation_and_no_side_effects() -> None:
     """Healthy 200 steps (dropout, AdamW, replay every 10) -> no incident; tolerance mode flags only perturbations
     above the tolerance; gradient accumulation replays all micro-batches; replay leaves weights, .grad, buffers and
-    RNG exactly as without it."""
+    RNG exactly as without it; at W=3 monitored training (every check on) is bitwise identical to unmonitored DDP."""
     scenarios = [
         {"config": {"replay_every": 10, "mode": "exact"}, "steps": 200},
         {"config": {"replay_every": 2, "mode": "tolerance", "tolerance": 1e-2}, "steps": 3,
@@ -142,9 +142,17 @@ def test_healthy_long_run_replay_tolerance_accumulation_and_no_side_effects() ->
          "fault": {"kind": "perturb_output", "rank": 0, "step": 2, "module": "fc1", "relative": 1e-3}},
         {"config": {"replay_every": 1}, "steps": 6, "batchnorm": True, "watch_state": True, "seed": 7},
         {"config": {"replay_every": 0}, "steps": 6, "batchnorm": True, "seed": 7},
+        # Bitwise identity with unmonitored training at W=3 (DDP's scaling by 1/W reproduced), every check on.
+        {"unmonitored": True, "steps": 12, "seed": 3},
+        {"config": {"replay_every": 2, "weights_every": 1}, "steps": 12, "seed": 3, "plain_hook": True},
+        {"config": {"replay_every": 0, "weights_every": 1}, "steps": 12, "seed": 3, "plain_hook": True},
+        # gradient_as_bucket_view with gradients kept between steps: DDP divides in place from the second step on.
+        {"unmonitored": True, "steps": 12, "seed": 3, "bucket_view": True, "set_to_none": False},
+        {"config": {"replay_every": 2, "weights_every": 1}, "steps": 12, "seed": 3, "plain_hook": True,
+         "bucket_view": True, "set_to_none": False},
     ]
-    healthy, small, large, accum, accum_fault, replay_on, replay_off = zip(
-        *spawn_ranks(run_scenarios, 3, (scenarios,), timeout=300), strict=True)
+    (healthy, small, large, accum, accum_fault, replay_on, replay_off, plain, monitored, monitored_no_replay,
+     plain_view, monitored_view) = zip(*spawn_ranks(run_scenarios, 3, (scenarios,), timeout=300), strict=True)
     assert all(not r["incidents"] for r in healthy)
     assert all(not r["incidents"] for r in small)
     assert _verdicts(large[0])[0] == (2, "replay", (2,), False)
@@ -154,3 +162,10 @@ def test_healthy_long_run_replay_tolerance_accumulation_and_no_side_effects() ->
         assert not on["incidents"] and not off["incidents"]
         assert on["undisturbed"] and all(on["undisturbed"])
         assert all(torch.equal(on["weights"][n], off["weights"][n]) for n in on["weights"])
+    for ref, runs in ((plain, (monitored, monitored_no_replay)), (plain_view, (monitored_view,))):
+        for rank, expected in enumerate(ref):
+            for run in runs:
+                got = run[rank]
+                assert not got["incidents"] and got["counts"].get("replay", {}).get("error", 0) == 0
+                assert got["counts"]["weights"]["pass"] == 12 and got["counts"]["grad_reduced"]["pass"] == 12
+                assert all(torch.equal(expected["weights"][n], got["weights"][n]) for n in expected["weights"]), rank
