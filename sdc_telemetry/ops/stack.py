@@ -10,9 +10,10 @@ binaries (``LocalStack.available()``)::
 
 The rules are rendered from ``sdc_telemetry.ops.alerts`` (the same text as ``alerts/sdc-rules.yml``), the routing is
 ``alerts/alertmanager.yml`` with its grouping waits shortened and its webhooks pointed at this process (the
-``responder`` route only with ``responder=True``, to ``<webhook_url>/responder``), and the scrape
-job is named ``sdc`` like the shipped ``deploy/prometheus.yml``. Every process and thread started is stopped by
-``stop()`` (also on error and at interpreter exit).
+``responder`` route only with ``responder=True``, to ``<webhook_url>/responder``, or with ``responder_url`` to a
+real ``sdc-telemetry respond``, sending the bearer token of ``responder_credentials_file`` as the shipped routing
+does), and the scrape job is named ``sdc`` like the shipped ``deploy/prometheus.yml``. Every process and thread
+started is stopped by ``stop()`` (also on error and at interpreter exit).
 """
 
 from __future__ import annotations
@@ -119,19 +120,32 @@ class LocalStack:
     temporary directory, removed on stop, when None). ``scrape_interval`` / ``evaluation_interval`` are short by
     default so that a page arrives within seconds of the event. ``responder``: also route critical SDC alerts to
     ``<webhook_url>/responder``, as the shipped routing sends them to ``sdc-telemetry respond``; ``responder_url``
-    sends them to a real responder there instead.
+    sends them to a real responder there instead. ``responder_credentials_file``: the file holding the responder's
+    bearer token; Alertmanager reads it and sends ``Authorization: Bearer <token>``
+    (``http_config.authorization.credentials_file``, as in the shipped routing). It must exist and needs a responder
+    route.
     """
 
     def __init__(self, targets: Sequence[str] = (), workdir: str | Path | None = None, *,
                  scrape_interval: str = "1s", evaluation_interval: str = "1s", startup_timeout: float = 30.0,
                  prometheus_bin: str | None = None, alertmanager_bin: str | None = None,
-                 responder: bool = False, responder_url: str | None = None) -> None:
+                 responder: bool = False, responder_url: str | None = None,
+                 responder_credentials_file: str | Path | None = None) -> None:
+        if responder_credentials_file is not None:
+            if responder_url is None and not responder:
+                raise StackError("responder_credentials_file needs a responder route: pass responder_url= (or "
+                                 "responder=True)")
+            if not Path(responder_credentials_file).is_file():
+                raise StackError(f"responder_credentials_file {responder_credentials_file}: no such file (Alertmanager "
+                                 "reads the bearer token from it)")
         self.targets = list(targets)
         self.scrape_interval = scrape_interval
         self.evaluation_interval = evaluation_interval
         self.startup_timeout = startup_timeout
         self.responder = responder
         self._responder_url = responder_url
+        self._credentials = None if responder_credentials_file is None else \
+            str(Path(responder_credentials_file).resolve())
         self._prometheus_bin = prometheus_bin or _which(PROMETHEUS_NAMES)
         self._alertmanager_bin = alertmanager_bin or _which(ALERTMANAGER_NAMES)
         self._own_workdir = workdir is None
@@ -191,7 +205,8 @@ class LocalStack:
         am_port, prom_port = _free_port(), _free_port()
         am_config = alertmanager_config(f"{self.webhook_url}/pager", f"{self.webhook_url}/ticket", fast=True,
                                         responder_url=self._responder_url or
-                                        (f"{self.webhook_url}/responder" if self.responder else None))
+                                        (f"{self.webhook_url}/responder" if self.responder else None),
+                                        responder_credentials_file=self._credentials)
         (base / "alertmanager.yml").write_text(yaml.safe_dump(am_config, sort_keys=False))
         self.alertmanager_url = f"http://127.0.0.1:{am_port}"
         self._spawn("alertmanager", [self._alertmanager_bin, f"--config.file={base / 'alertmanager.yml'}",
