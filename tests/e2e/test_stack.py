@@ -1,7 +1,8 @@
 """End to end: real Prometheus and Alertmanager (LocalStack) scrape a 3-rank CPU training and page on-call.
 
 Ranks 0-1 look like host node-a and rank 2 like node-b (SDC_HOST_NAME); LOCAL_RANK is the rank, so each serves
-metrics on base + rank. Every process a test starts is stopped in a ``finally``.
+metrics on base + rank. Every process a test starts is stopped in a ``finally``. The last tests send the responder's
+bearer token through LocalStack's Alertmanager and run ``sdc-telemetry demo`` (``make demo``) against the real stack.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import os
 import random
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +22,7 @@ from typing import Any
 import pytest
 
 from sdc_telemetry.ops.dashboards import panel_queries
+from sdc_telemetry.ops.respond import Responder
 from sdc_telemetry.ops.stack import LocalStack
 from sdc_telemetry.testing import spawn_ranks
 
@@ -149,3 +153,67 @@ def test_alertmanager_pages_criticals_and_holds_a_paged_hosts_warnings(tmp_path:
         time.sleep(3)  # several group intervals: the inhibited warning would have been sent by now
         assert stack.alerts("GPUXidErrors", labels={"host_name": "node-b"}) == []
         assert stack.wait_for_alert("NoSuchAlert", timeout=0.2) is None
+
+
+_RECORD = "import sys; open(sys.argv[1], 'a').write(' '.join(sys.argv[2:]) + chr(10))"
+
+
+def _sdc_page(host: str) -> dict[str, Any]:
+    return {"labels": {"alertname": "SDCWeightFingerprintMismatch", "severity": "critical", "check": "weights",
+                       "service_name": "drill", "host_name": host, "rank": "2", "local_rank": "2",
+                       "hw_id": f"GPU-{host}"}, "annotations": {"summary": "weights differ"}}
+
+
+def test_localstack_sends_the_responders_bearer_token_from_its_credentials_file(tmp_path: Path) -> None:
+    """LocalStack's Alertmanager, given the responder's credentials file, reaches a token-protected responder: the
+    SDC critical drains its host and is a strike in the ledger; given a file with another token, the responder
+    answers 401 and nothing runs."""
+    _require_binaries()
+    drains = tmp_path / "drains.txt"
+    command = f"{sys.executable} -c \"{_RECORD}\" {drains} drain {{host_name}} {{hw_id}}"
+    (tmp_path / "right.token").write_text("right-token\n")
+    (tmp_path / "wrong.token").write_text("wrong-token\n")
+    with Responder(command, bearer_token="right-token", ledger=f"sqlite:///{tmp_path / 'ledger.sqlite3'}") as r:
+        with LocalStack(workdir=tmp_path / "wrong", responder_url=f"{r.url}/alerts",
+                        responder_credentials_file=tmp_path / "wrong.token") as stack:
+            stack.send_alerts([_sdc_page("node-w")])
+            assert stack.wait_for_alert("SDCWeightFingerprintMismatch", timeout=30) is not None  # the pager's copy
+            deadline = time.monotonic() + 30
+            while r.health()["unauthorized"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert r.health()["unauthorized"] >= 1 and r.health()["actions"] == 0
+        with LocalStack(workdir=tmp_path / "right", responder_url=f"{r.url}/alerts",
+                        responder_credentials_file=tmp_path / "right.token") as stack:
+            stack.send_alerts([_sdc_page("node-r")])
+            deadline = time.monotonic() + 30
+            while not (drains.exists() and drains.read_text()) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        assert drains.read_text().splitlines() == ["drain node-r GPU-node-r"]
+        assert [(s.hw_id, s.host_name, s.alertname) for s in r.ledger.strikes()] == \
+            [("GPU-node-r", "node-r", "SDCWeightFingerprintMismatch")]
+
+
+def test_make_demo_runs_the_whole_loop_through_prometheus_and_alertmanager() -> None:
+    """`sdc-telemetry demo` with the real stack: Alertmanager pages, the token-authenticated responder drains the
+    suspect's host (a forged page without the token gets 401), the ledger holds the strike, the drill screen names
+    the drilled device, and the checkpoint of the last passing audit is chosen; exit 0."""
+    _require_binaries()
+    out = subprocess.run([sys.executable, "-m", "sdc_telemetry.ops.cli", "demo", "--metrics-port",
+                          str(_free_base(4))], capture_output=True, text=True, timeout=400, check=False)
+    text = out.stdout
+    assert out.returncode == 0, text + out.stderr
+    assert "routes SDC criticals to the responder with the token from its credentials_file" in text
+    assert "outcome: as predicted (expected check weights at step 20 naming rank 2)" in text
+    assert "responder refused a page posted without the bearer token: HTTP 401, nothing ran" in text
+    page = next(line for line in text.splitlines() if line.startswith("page received from Alertmanager: "))
+    assert "SDCWeightFingerprintMismatch [critical]" in page and " rank=2 " in page
+    host = page.split(" host=")[1].split()[0]
+    gpu_id = page.split(" gpu=")[1].split(": ", 1)[0]
+    assert f"responder (authenticated) drained the node (recorder in place of scontrol): drain {host} rank=2 " \
+           f"gpu={gpu_id} alert=SDCWeightFingerprintMismatch" in text
+    assert f"strike 1 for GPU {gpu_id} on {host} (SDCWeightFingerprintMismatch, job sdc-demo, check weights)" in text
+    assert any(line.startswith(f"{gpu_id} ") and "0 pass / 1 fail" in line for line in text.splitlines()), text
+    assert f"screen verdict: odd device cpu-worker:2 ({gpu_id}) named and recorded in the ledger" in text
+    assert "checkpoint-15.pt: passed over: step 15 is after the last audit that passed before the incident " \
+           "(step 10)" in text
+    assert "resume from checkpoint-10.pt (step 10)" in text
