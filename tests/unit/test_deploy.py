@@ -1,11 +1,17 @@
-"""docker-compose.yml and deploy/: structure checks (Docker itself only where it runs), promtool on the config."""
+"""docker-compose.yml and deploy/: structure checks (Docker itself only where it runs), promtool on the config, the
+responder's command and the trainer run for real."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
+import socket
 import subprocess
+import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -19,6 +25,7 @@ from sdc_telemetry.ops.stack import prometheus_config
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 DEPLOY = ROOT / "deploy"
+TOKEN = DEPLOY / "demo-only.sdc-responder.token"
 
 
 def _compose() -> dict[str, Any]:
@@ -61,17 +68,21 @@ def test_compose_mounts_exist_and_wire_the_configs() -> None:
     prom = _mounts(services["prometheus"])
     assert prom["/etc/prometheus/prometheus.yml"] == "./deploy/prometheus.yml"
     assert prom["/etc/prometheus/rules"] == "./alerts"
-    assert _mounts(services["alertmanager"])["/etc/alertmanager/alertmanager.yml"] == "./alerts/alertmanager.yml"
+    am = _mounts(services["alertmanager"])
+    assert am["/etc/alertmanager/alertmanager.yml"] == "./alerts/alertmanager.yml"
+    assert am[alerts.RESPONDER_CREDENTIALS_FILE] == f"./{TOKEN.relative_to(ROOT)}"
     graf = _mounts(services["grafana"])
     assert graf["/etc/grafana/provisioning"] == "./deploy/grafana/provisioning"
     assert graf["/var/lib/grafana/dashboards"] == "./dashboards"
 
 
 def test_prometheus_config_scrapes_the_trainer_as_job_sdc_and_loads_the_rules() -> None:
-    """deploy/prometheus.yml: job sdc on the trainer's four rank ports, the rules file, the Alertmanager."""
+    """deploy/prometheus.yml: job sdc on the trainer's four rank ports, the responder's /metrics (the fleet panel's
+    strikes) as a job of its own, the rules file, the Alertmanager."""
     doc = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in doc["scrape_configs"]}
     assert jobs["sdc"]["static_configs"][0]["targets"] == [f"trainer:{9860 + r}" for r in range(4)]
+    assert jobs["sdc-responder"]["static_configs"][0]["targets"] == ["sdc-responder:9095"]
     assert doc["rule_files"] == [f"/etc/prometheus/rules/{alerts.RULES_FILE}"]
     assert doc["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["alertmanager:9093"]
     assert set(doc) == set(prometheus_config([], [], []))  # the shape LocalStack uses
@@ -105,6 +116,85 @@ def test_alertmanager_webhooks_reach_the_sink_and_responder_services() -> None:
         assert url.startswith(f"http://webhook-sink:{port}/")
     responder = services["sdc-responder"]["command"]
     assert responder[:4] == ["sdc-telemetry", "respond", "--listen", "0.0.0.0:9095"] and "--command" in responder
+    webhook = next(r for r in doc["receivers"] if r["name"] == "responder")["webhook_configs"][0]
+    assert webhook["http_config"]["authorization"]["credentials_file"] == alerts.RESPONDER_CREDENTIALS_FILE
+
+
+def test_responder_and_alertmanager_share_the_demo_only_token() -> None:
+    """sdc-responder runs with --bearer-token-file (never --insecure-no-auth), and the file it reads is the file
+    Alertmanager sends from: the demo-only token, one word that says so."""
+    services = _compose()["services"]
+    command = services["sdc-responder"]["command"]
+    assert "--insecure-no-auth" not in command
+    token_path = command[command.index("--bearer-token-file") + 1]
+    assert _mounts(services["sdc-responder"])[token_path] == \
+        _mounts(services["alertmanager"])[alerts.RESPONDER_CREDENTIALS_FILE] == f"./{TOKEN.relative_to(ROOT)}"
+    token = TOKEN.read_text()
+    assert token.strip() and not any(c.isspace() for c in token.strip()) and "DEMO-ONLY" in token
+    assert "DEMO-ONLY" in COMPOSE.read_text()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _post(url: str, token: str | None) -> int:
+    body = json.dumps({"alerts": [{"status": "firing", "labels": {
+        "alertname": "SDCWeightFingerprintMismatch", "severity": "critical", "host_name": "gpu-node-7", "rank": "2",
+        "hw_id": "GPU-2", "service_name": "sdc-demo"}}]}).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=body, headers=headers), timeout=10) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+def test_compose_responder_command_starts_and_takes_only_the_token(tmp_path: Path) -> None:
+    """The sdc-responder service's command, run here with its mounts mapped to the repository files: it starts
+    (it would refuse without authentication), a page without the token gets 401, the demo token's page 200 and a
+    (dry-run) action."""
+    services = _compose()["services"]
+    mounts = _mounts(services["sdc-responder"])
+    command = [ROOT / mounts[a] if a in mounts else a for a in services["sdc-responder"]["command"]]
+    port = _free_port()
+    command[command.index("--listen") + 1] = f"127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "sdc_telemetry.ops.cli", *map(str, command[1:])]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "SDC_STATE_DIR": str(tmp_path)})
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        while line and "listening on" not in line:
+            line = proc.stdout.readline()
+        assert "listening on" in line, f"the responder did not start (exit {proc.poll()})"
+        url = f"http://127.0.0.1:{port}/alerts"
+        assert _post(url, None) == 401
+        assert _post(url, "not-the-token") == 401
+        assert _post(url, TOKEN.read_text().strip()) == 200
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as r:
+            health = json.loads(r.read())
+        assert (health["unauthorized"], health["actions"], health["dry_run"]) == (2, 1, True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_demo_trainer_runs_under_torchrun_and_names_the_faulty_rank(tmp_path: Path) -> None:
+    """deploy/demo_trainer.py as the image runs it (torchrun, one process per rank), short: 3 ranks, a weight bit
+    flip on rank 2 at step 3; it exits 0 and its incident file names rank 2."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to this interpreter")
+    env = {**os.environ, "SDC_DEMO_STEPS": "6", "SDC_DEMO_FAULT_STEP": "3", "SDC_DEMO_STEP_DELAY": "0",
+           "SDC_DEMO_SERVE_AFTER": "0", "SDC_METRICS_PORT": "0", "SDC_INCIDENT_DIR": str(tmp_path)}
+    out = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node=3", str(DEPLOY / "demo_trainer.py")],
+                         capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    incidents = [json.loads(line) for line in (tmp_path / "incidents.jsonl").read_text().splitlines()]
+    assert [(i["check"], i["step"], i["suspect_ranks"]) for i in incidents[:1]] == [("weights", 3, [2])]
 
 
 def test_grafana_provisioning_points_at_prometheus_and_the_dashboards() -> None:
