@@ -68,6 +68,7 @@ class _Measured:
     norms: torch.Tensor          # this rank's per-parameter local-gradient norms (evidence)
     durations: dict[str, float] = field(default_factory=dict)  # measuring time per check on this rank
     grads: bool = True           # gradient results belong to this hook point
+    deferred: bool = False       # decided one step later (the step's batch and weights are gone by then)
 
 
 class SDCMonitor:
@@ -152,10 +153,11 @@ class SDCMonitor:
         reason = layout.weights_off_reason()
         if replicas and reason and self.config.weights_every and self._writer:
             log.warning("sdc_telemetry: %s", reason)
+        triggers = self.config.trigger_audits and self.config.grad_checks
         self._replay = ReplayCheck(self.module, loss_fn, named, layout.group, self._ranks, self.identities,
                                    self.device, self.mode, self.config.tolerance, self.config.replay_every,
-                                   recompute=layout.recompute if layout.lockstep else None) \
-            if replicas and self.config.replay_every and loss_fn is not None else None
+                                   recompute=layout.recompute if layout.lockstep else None, every_step=triggers) \
+            if replicas and (self.config.replay_every or triggers) and loss_fn is not None else None
         self._record = grad_check.GradRecord(self._params, self.device)
         self._grad = grad_check.GradCheck(self._ranks, self.rank, self._names, layout.reduces, layout.shard_of,
                                           gather=lambda row: layout.gather_rows(row, self.device),
@@ -394,7 +396,7 @@ class SDCMonitor:
                     host[S.REDUCED_MEASURED] = int(any(p.grad is not None for p in self._params))
                     nonfinite[1] = ~torch.isfinite(reduced_norm)
                     norms[1] = reduced_norm
-            host[S.REPLAYABLE] = int(audit and self._replay is not None and self._replay.ready())
+            host[S.REPLAYABLE] = int(self._replay is not None and self._replay.ready())
         except Exception:  # noqa: BLE001 - contained; the agreement below must still run on this rank
             self._internal_error("grad", "measuring gradients failed")
             host[S.ERROR] = 1
@@ -420,7 +422,7 @@ class SDCMonitor:
                      "weights": weights_s}
         return _Measured(step=step, mine=host, agreement=agreement, weights_due=weights, audit=audit, table=table,
                          norms=record.norms.clone() if snapshot else record.norms, durations=durations,
-                         grads=grads)
+                         grads=grads, deferred=snapshot)
 
     # -- deciding ------------------------------------------------------------------------------------------------
 
@@ -447,6 +449,8 @@ class SDCMonitor:
         if self.config.grad_checks:
             finding = self.sinks.guard("grad", self._grad.verdict, high, low, m.mine, tuple(m.agreement.local()),
                                        m.norms, S.GRAD_FIELDS, bool(high[S.SCALER]))
+            if self._triggers(m, high, low):
+                finding = self._triggered_audit(m, finding)
             results.update(self._grad.results(bool(m.mine[S.ERROR]), bool(m.mine[S.LOCAL_MEASURED]),
                                               bool(m.mine[S.REDUCED_MEASURED]), finding))
             if finding is not None:
@@ -477,6 +481,44 @@ class SDCMonitor:
             self._last_passing_audit = m.step
         self._conclude(m, findings, results, durations, passed=passed, replay=replay, weights_agree=weights_agree,
                        errors=errors)
+
+    def _triggers(self, m: _Measured, high: list[int], low: list[int]) -> bool:
+        """A minority of ranks has non-finite local gradients at a step every rank can replay now (agreed data)."""
+        return (self._replay is not None and self.config.trigger_audits and not m.deferred and m.grads
+                and bool(high[S.LOCAL_NONFINITE]) and not low[S.LOCAL_NONFINITE] and bool(low[S.LOCAL_MEASURED])
+                and bool(low[S.REPLAYABLE]) and not high[S.REPEATED] and not high[S.ERROR])
+
+    def _triggered_audit(self, m: _Measured, finding: Finding | None) -> Finding | None:
+        """Replay the step now: partners recompute the non-finite ranks' micro-batches. The same non-finite result
+        on the partner is data (a NaN in the batch, an overflow it provokes): a numerics event, never a suspect.
+        A finite result there is hardware, named by the replay's attribution (transient, or persistent when the
+        rank reproduces its own result and a second partner confirms it)."""
+        assert self._replay is not None
+        replayed, _ = self._replay.run(None, m.norms)
+        if self._replay.errors:
+            self._warn_once("triggered-error", "sdc_telemetry: step %d: the triggered audit failed on ranks %s: %s "
+                            "(the gradient verdict stands without it)", m.step, self._replay.errors[:16],
+                            self._replay.error_text)
+            if finding is None:
+                return None
+            return Finding(finding.check, finding.suspect_ranks,
+                           {**finding.evidence, "triggered_audit": {"error": self._replay.error_text[:200]}})
+        base = dict(finding.evidence) if finding is not None else {}
+        audit = {"trigger": "nonfinite_minority", "replayed": True}
+        if replayed is None:
+            return Finding("grad_local", (), {
+                **{k: v for k, v in base.items() if k in ("nonfinite_ranks", "ranks")}, "verdict": "data",
+                "reason": "a partner recomputing the same micro-batch gets the same non-finite result: the data (a "
+                          "bad sample, an overflow it provokes), not the hardware",
+                "triggered_audit": {**audit, "mismatching_pairs": []}})
+        ev = replayed.evidence
+        keep = ("mismatching_pairs", "mismatching_pair_count", "reproduced_own_result", "reason", "mode")
+        return Finding("grad_local", replayed.suspect_ranks, {
+            **{k: v for k, v in base.items() if k not in ("verdict", "ambiguous", "reason")},
+            "verdict": ev.get("verdict", "transient"), "ambiguous": bool(ev.get("ambiguous", False)),
+            "reason": "a partner recomputing the same micro-batch gets finite gradients: this rank's computation "
+                      "made the non-finite values",
+            "triggered_audit": {**audit, **{k: ev[k] for k in keep if k in ev}}})
 
     def _agreed_passes(self, high: list[int], low: list[int], findings: list[Finding], results: dict[str, str]
                        ) -> frozenset[str]:

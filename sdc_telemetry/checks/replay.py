@@ -82,7 +82,8 @@ class ReplayCheck:
     def __init__(self, module: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None,
                  named_params: Sequence[tuple[str, torch.nn.Parameter]], group: dist.ProcessGroup | None,
                  ranks: Sequence[int], identities: dict[int, RankIdentity], device: torch.device, mode: str,
-                 tolerance: float | str, every: int, recompute: Recompute | None = None) -> None:
+                 tolerance: float | str, every: int, recompute: Recompute | None = None,
+                 every_step: bool = False) -> None:
         if loss_fn is None:
             raise ValueError("replay needs loss_fn(module, batch) -> scalar loss")
         self._module = module
@@ -100,6 +101,9 @@ class ReplayCheck:
         self.tolerance = _AUTO_FLOOR if self._auto else float(tolerance)
         self.noise_floor = 0.0
         self._every = every
+        # Triggered audits: every step's micro-batches are kept (references to the batches, RNG states, losses),
+        # so that an anomalous step can be replayed at once.
+        self._every_step = every_step
         self._pairs = plan_pairs([identities[r].host_name if r in identities else str(r) for r in self._ranks])
         self._last_deltas: dict[str, dict[str, float | str]] = {}
         self._audits = 0
@@ -114,11 +118,12 @@ class ReplayCheck:
     # -- capture (training thread, every step) -------------------------------------------------------------------
 
     def due(self, step: int) -> bool:
-        return step % self._every == 0
+        """A scheduled audit step (``replay_every``; 0: none, triggered audits only)."""
+        return self._every > 0 and step % self._every == 0
 
     def begin_step(self, step: int) -> None:
         self._micro = []
-        self._capturing = self.due(step)
+        self._capturing = self.due(step) or self._every_step
 
     def close(self) -> None:
         self._hook.remove()
@@ -188,16 +193,19 @@ class ReplayCheck:
             return None, "error" if mine else "pass", measured
         return finding, "fail" if finding is not None else "pass", measured
 
-    def run(self, local_fp: int, local_norms: torch.Tensor) -> tuple[Finding | None, Measurement | None]:
-        """Audit this step. ``local_fp``: this rank's recorded local-gradient digest; ``local_norms``: its
-        per-parameter local-gradient norms (the tolerance sketch). Every rank calls it at the same step."""
+    def run(self, local_fp: int | None, local_norms: torch.Tensor) -> tuple[Finding | None, Measurement | None]:
+        """Audit this step. ``local_fp``: this rank's recorded local-gradient digest (None on a triggered audit of a
+        step that recorded none: then the per-parameter norms and the losses are compared, non-finite values
+        alike on both sides counting as agreement); ``local_norms``: its per-parameter local-gradient norms (the
+        tolerance sketch). Every rank calls it at the same step."""
         self.errors, self.error_text = [], ""
         micro = [m for m in self._micro if m.loss is not None and m.batch is not None]
         self._micro, self._capturing = [], False
         world = len(self._ranks)
         shift = self._pairs.shifts[self._audits % len(self._pairs.shifts)]
-        calibrate = self._auto and self.mode == "tolerance" and self._audits % _CALIBRATE_EVERY == 0
-        self._audits += 1
+        triggered = local_fp is None
+        calibrate = not triggered and self._auto and self.mode == "tolerance" and self._audits % _CALIBRATE_EVERY == 0
+        self._audits += 0 if triggered else 1
 
         mine = {"micro": micro, "fp": local_fp, "norms": local_norms.detach().float().cpu()}
         outcome = Outcome(world)
@@ -302,7 +310,7 @@ class ReplayCheck:
             self.noise_floor = max(self._floors)
             self.tolerance = min(max(_AUTO_FLOOR, _AUTO_FACTOR * self.noise_floor), 0.5)
 
-    def _compare(self, record: dict[str, Any] | None, recorded_fp: int) -> torch.Tensor:
+    def _compare(self, record: dict[str, Any] | None, recorded_fp: int | None) -> torch.Tensor:
         """[mismatch, loss_delta_bits, grad_delta_bits, error] for recomputing ``record``."""
         try:
             if record is None:
@@ -314,6 +322,21 @@ class ReplayCheck:
             recorded_losses = [float(m.loss.double().item()) for m in micro if m.loss is not None]
             loss_delta = max(_rel(a, b) for a, b in zip(result.losses, recorded_losses, strict=True))
             ref = record["norms"].double()
+            if recorded_fp is None:  # a triggered audit: norms and losses, with non-finite values compared as such
+                got = result.norms.double().cpu()
+                same_kind = torch.equal(torch.isfinite(got), torch.isfinite(ref)) and \
+                    all(math.isfinite(a) == math.isfinite(b) for a, b in zip(result.losses, recorded_losses,
+                                                                              strict=True))
+                finite = torch.isfinite(ref) & torch.isfinite(got)
+                grad_delta, loss_delta = math.inf, math.inf
+                if same_kind:
+                    grad_delta = float(torch.linalg.vector_norm(got[finite] - ref[finite])
+                                       / max(float(torch.linalg.vector_norm(ref[finite])), 1e-30))
+                    loss_delta = max((_rel(a, b) for a, b in zip(result.losses, recorded_losses, strict=True)
+                                      if math.isfinite(a) and math.isfinite(b)), default=0.0)
+                limit = max(self.tolerance, _AUTO_FLOOR)
+                mismatch = not (loss_delta <= limit and grad_delta <= limit)
+                return torch.tensor([int(mismatch), bits(loss_delta), bits(grad_delta), 0], dtype=torch.int64)
             grad_delta = float(torch.linalg.vector_norm(result.norms.double().cpu() - ref)
                                / max(float(torch.linalg.vector_norm(ref)), 1e-30))
             if self.mode == "exact":

@@ -42,6 +42,10 @@ class SDCConfig:
     - ``alertmanager_url``: base URL of an Alertmanager (``http://alertmanager:9093``) or ``None``. The first rank of
       the replica group posts each incident with suspects to its v2 API directly (one alert per suspect), so the page
       does not depend on Prometheus scraping a job that is stopping.
+    - ``trigger_audits``: replay a step at once when a minority of ranks has non-finite local gradients (or a rank's
+      loss or gradient norm is an outlier against the others and its own history), so that a partner recomputing
+      the same micro-batch tells data (it gets the same) from hardware (it does not). Needs ``loss_fn``; the step's
+      batch and RNG state are kept every step (references).
     """
 
     weights_every: int = 1
@@ -57,13 +61,14 @@ class SDCConfig:
     nvml: bool = True
     job_name: str = "training"
     alertmanager_url: str | None = None
+    trigger_audits: bool = True
 
     def __post_init__(self) -> None:
         for name in ("weights_every", "replay_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"SDCConfig.{name} must be an int >= 0 (0 = off), got {value!r}")
-        for name in ("grad_checks", "nvml"):
+        for name in ("grad_checks", "nvml", "trigger_audits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SDCConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.mode not in ("auto", "exact", "tolerance"):
@@ -131,7 +136,7 @@ def http_url_problem(url: object) -> str | None:
 
 
 _INT_FIELDS = {"weights_every", "replay_every"}
-_BOOL_FIELDS = {"grad_checks", "nvml"}
+_BOOL_FIELDS = {"grad_checks", "nvml", "trigger_audits"}
 _OPTIONAL_FIELDS = {"metrics_port", "otlp_endpoint", "incident_dir", "alertmanager_url"}
 
 

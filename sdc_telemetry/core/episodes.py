@@ -61,7 +61,7 @@ class Episodes:
                 if check in passed:
                     self._open.pop(check, None)
                 continue
-            key = (finding.suspect_ranks, finding.evidence.get("verdict") == "numerics")
+            key = (finding.suspect_ranks, finding.evidence.get("verdict") in ("numerics", "data"))
             entry = self._open.get(check)
             if entry is not None and entry[0] == key:
                 incident = entry[1]

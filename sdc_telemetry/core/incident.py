@@ -40,7 +40,7 @@ class Incident:
     @property
     def numerics(self) -> bool:
         """Every rank non-finite at once: recorded and counted, never raised or paged as a node."""
-        return not self.suspect_ranks and self.evidence.get("verdict") == "numerics"
+        return not self.suspect_ranks and self.evidence.get("verdict") in ("numerics", "data")
 
     def to_dict(self) -> dict[str, Any]:
         return {

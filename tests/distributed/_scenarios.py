@@ -132,7 +132,8 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
     recorder = Recorder() if not sc.get("telemetry") else None
     chosen_loss = {"broken": broken_loss_fn, "tuple": tuple_loss_fn}.get(sc.get("loss", ""), loss_fn)
     try:
-        monitor = sdc.SDCMonitor(ddp, opt, loss_fn=chosen_loss if config.replay_every else None, config=config,
+        wants_loss = config.replay_every or sc.get("loss_always")
+        monitor = sdc.SDCMonitor(ddp, opt, loss_fn=chosen_loss if wants_loss else None, config=config,
                                  comm_hook=None if sc.get("plain_hook") else faults.comm_hook, start_step=start_step,
                                  observer=recorder)
     except ValueError as e:
@@ -187,6 +188,9 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
             if sc.get("nan_all_step") == k:  # a bad batch on every rank: numerics, not hardware
                 for mb in micro:
                     mb["x"][0, 0] = float("nan")
+            nan_at = sc.get("nan_rank_at")
+            if nan_at and rank == nan_at["rank"] and k == nan_at["step"]:  # one bad sample in one rank's batch
+                micro[0]["x"][0, 0] = float("nan")
             nan_from = sc.get("nan_rank_from")
             if nan_from and rank == nan_from["rank"] and k >= nan_from["step"]:  # a rank that keeps computing NaN
                 for mb in micro:

@@ -31,6 +31,17 @@ def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "nan_everywhere": {"config": {"replay_every": 0, "on_suspect": "raise"}, "steps": 6, "nan_all_step": 2},
         "persistent": {"config": {"replay_every": 0, "incident_dir": str(incident_dir)}, "steps": 40,
                        "fault": flip},
+        # Triggered audits (replay_every=0: no scheduled audit, only the trigger): data or hardware?
+        "data_nan": {"config": {"replay_every": 0, "on_suspect": "raise"}, "steps": 5, "loss_always": True,
+                     "nan_rank_at": {"rank": 1, "step": 2}},
+        "data_nan_scaler": {"config": {"replay_every": 0, "on_suspect": "raise"}, "steps": 5, "loss_always": True,
+                            "scaler": True, "nan_rank_at": {"rank": 1, "step": 2}},
+        "hw_nan": {"config": {"replay_every": 0}, "steps": 5, "loss_always": True,
+                   "fault": {"kind": "nonfinite_grad", "rank": 2, "step": 2, "param": "fc1.weight", "index": 4}},
+        "hw_nan_scaler": {"config": {"replay_every": 0, "on_suspect": "raise"}, "steps": 5, "loss_always": True,
+                          "scaler": True,
+                          "fault": {"kind": "nonfinite_grad", "rank": 2, "step": 2, "param": "fc1.weight",
+                                    "index": 4}},
         "root_cause": {"config": {"replay_every": 0, "on_suspect": "raise"}, "steps": 6,
                        "fault": {**flip, "bit": 30}},
         "second_divergence": {"config": {"replay_every": 0}, "steps": 12, "fault": flip,
@@ -226,3 +237,32 @@ def test_sdc_detected_names_the_root_cause_in_causal_order(three_ranks: dict[str
     for r in per_rank:
         assert r["raised_at"] == 3
         assert r["raised_checks"][0] == "weights" and "grad_local" in r["raised_checks"], r["raised_checks"]
+
+
+def test_a_nan_in_one_ranks_batch_is_data_never_a_suspect(three_ranks: dict[str, Any]) -> None:
+    """A NaN in one rank's batch, with and without a GradScaler: the triggered audit's partner gets the same NaN,
+    so it is a numerics incident with verdict data, no suspect, and on_suspect="raise" does not stop training."""
+    for name in ("data_nan", "data_nan_scaler"):
+        per_rank = three_ranks[name]
+        _same_everywhere(per_rank)
+        for r in per_rank:
+            assert r["raised_at"] is None and not r["errors"], name
+            [incident] = [i for i in r["incidents"] if i["step"] == 2]
+            assert incident["check"] == "grad_local" and incident["suspect_ranks"] == [], name
+            assert incident["evidence"]["verdict"] == "data", incident["evidence"]
+            assert incident["evidence"]["triggered_audit"]["replayed"] is True
+            assert r["steps_reported"] == [0, 1, 2, 3, 4]
+
+
+def test_a_nan_only_one_ranks_computation_makes_is_named(three_ranks: dict[str, Any]) -> None:
+    """A NaN made in one rank's gradient (the same micro-batch gives finite gradients on a partner), with and
+    without a GradScaler: the triggered audit names that rank at that step; with raise, every rank stops there."""
+    for name in ("hw_nan", "hw_nan_scaler"):
+        per_rank = three_ranks[name]
+        _same_everywhere(per_rank)
+        incident = per_rank[0]["incidents"][0]
+        assert (incident["step"], incident["check"], incident["suspect_ranks"]) == (2, "grad_local", [2]), name
+        assert incident["evidence"]["verdict"] in ("transient", "persistent")
+        assert incident["evidence"]["ambiguous"] is False
+        assert incident["evidence"]["triggered_audit"]["mismatching_pairs"]
+    assert all(r["raised_at"] == 2 for r in three_ranks["hw_nan_scaler"])
