@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from sdc_telemetry.checks import grad as grad_check
+from sdc_telemetry.checks.outliers import OutlierTrigger, quantize
 from sdc_telemetry.checks.replay import ReplayCheck
 from sdc_telemetry.checks.weights import WeightsCheck
 from sdc_telemetry.core import status as S
@@ -159,6 +160,8 @@ class SDCMonitor:
                                    recompute=layout.recompute if layout.lockstep else None, every_step=triggers) \
             if replicas and (self.config.replay_every or triggers) and loss_fn is not None else None
         self._record = grad_check.GradRecord(self._params, self.device)
+        self._outliers = OutlierTrigger() if triggers and self._replay is not None else None
+        self._loss: torch.Tensor | None = None  # the step's loss (sum over micro-batches of loss * scale), on device
         self._grad = grad_check.GradCheck(self._ranks, self.rank, self._names, layout.reduces, layout.shard_of,
                                           gather=lambda row: layout.gather_rows(row, self.device),
                                           gather_objects=layout.gather_objects)
@@ -307,6 +310,7 @@ class SDCMonitor:
         self._step = self._next_step
         self._open = True
         self._scaler_used = False
+        self._loss = None
         self._record.reset(detail=self._replay is not None and self._replay.due(self._step))
         if self._replay is not None:
             self._replay.begin_step(self._step)
@@ -323,6 +327,9 @@ class SDCMonitor:
             self._scaler_used = True
         if self._replay is not None:
             self._replay.record_loss(loss, scale, grad_scale)
+        if self._outliers is not None:
+            part = loss.detach().double() * scale
+            self._loss = part if self._loss is None else self._loss + part
 
     def abandon_step(self) -> None:
         """The step's block raised on this rank: no checks (the other ranks' collectives cannot be matched)."""
@@ -375,7 +382,8 @@ class SDCMonitor:
         host[S.SCALER] = int(self._scaler_used)
         nonfinite = torch.zeros(2, dtype=torch.int64, device=self.device)
         digest = torch.zeros(1, dtype=torch.int64, device=self.device)
-        norms = torch.full((2,), math.nan, dtype=torch.float64, device=self.device)  # local, reduced
+        norms = torch.full((3,), math.nan, dtype=torch.float64, device=self.device)  # local, reduced, loss
+        on_device: dict[int, torch.Tensor] = {}
         record, layout = self._record, self.layout
         reduced_s = 0.0
         try:
@@ -388,6 +396,11 @@ class SDCMonitor:
                     local_norm = record.total_norm()
                     nonfinite[0] = ~torch.isfinite(local_norm)
                     norms[0] = local_norm
+                    if self._outliers is not None and self._loss is not None:
+                        loss_q, norm_q = quantize(self._loss), quantize(local_norm)
+                        norms[2] = self._loss
+                        on_device.update({S.LOSS_Q: loss_q, S.NORM_Q: norm_q,
+                                          S.JUMP_Q: self._outliers.jump(loss_q, norm_q)})
                 if self.config.grad_checks and layout.reduces:
                     t = time.perf_counter()
                     reduced_norm = torch.linalg.vector_norm(grad_check.reduced_norms(self._params, self.device,
@@ -413,7 +426,8 @@ class SDCMonitor:
                 self._internal_error("weights", "fingerprinting the parameters failed")
                 host[S.WEIGHTS_ERROR] = 1
             weights_s = time.perf_counter() - t
-        vec, self._absent = S.pack(host, nonfinite, digest, self.device, layout.digest_slots, layout.digest_slot,
+        on_device.update({S.LOCAL_NONFINITE: nonfinite[0], S.REDUCED_NONFINITE: nonfinite[1]})
+        vec, self._absent = S.pack(host, on_device, digest, self.device, layout.digest_slots, layout.digest_slot,
                                    self._absent)
         agreement = Agreement(vec, layout.group, layout.distributed, local=norms, absent=self._absent)
         elapsed = time.perf_counter() - start
@@ -447,10 +461,17 @@ class SDCMonitor:
             self._conclude(m, [], dict.fromkeys(due, "error"), {}, errors=("monitor",))
             return
         if self.config.grad_checks:
-            finding = self.sinks.guard("grad", self._grad.verdict, high, low, m.mine, tuple(m.agreement.local()),
+            local = m.agreement.local()
+            finding = self.sinks.guard("grad", self._grad.verdict, high, low, m.mine, (local[0], local[1]),
                                        m.norms, S.GRAD_FIELDS, bool(high[S.SCALER]))
             if self._triggers(m, high, low):
                 finding = self._triggered_audit(m, finding)
+            elif self._outliers is not None and m.grads and not m.deferred \
+                    and self._outliers.observe(high, low, S.OUTLIER_FIELDS, (local[2], local[0])) \
+                    and finding is None and not m.audit and self._replayable(high, low):
+                outlier, results["replay"] = self._outlier_audit(m)
+                if outlier is not None:
+                    findings.append(outlier)
             results.update(self._grad.results(bool(m.mine[S.ERROR]), bool(m.mine[S.LOCAL_MEASURED]),
                                               bool(m.mine[S.REDUCED_MEASURED]), finding))
             if finding is not None:
@@ -476,17 +497,40 @@ class SDCMonitor:
                 findings.append(finding)
         durations = {c: durations.get(c, 0.0) for c in results}
         errors = ("replay",) if results.get("replay") == "error" else ()
-        passed = self._agreed_passes(high, low, findings, results)
+        passed = self._agreed_passes(high, low, findings, results if m.audit else
+                                     {k: v for k, v in results.items() if k != "replay"})
         if "replay" in passed:
             self._last_passing_audit = m.step
         self._conclude(m, findings, results, durations, passed=passed, replay=replay, weights_agree=weights_agree,
                        errors=errors)
 
+    def _replayable(self, high: list[int], low: list[int]) -> bool:
+        """Every rank can replay the step now (agreed data)."""
+        return (self._replay is not None and bool(low[S.LOCAL_MEASURED]) and bool(low[S.REPLAYABLE])
+                and not high[S.REPEATED] and not high[S.ERROR])
+
     def _triggers(self, m: _Measured, high: list[int], low: list[int]) -> bool:
         """A minority of ranks has non-finite local gradients at a step every rank can replay now (agreed data)."""
-        return (self._replay is not None and self.config.trigger_audits and not m.deferred and m.grads
-                and bool(high[S.LOCAL_NONFINITE]) and not low[S.LOCAL_NONFINITE] and bool(low[S.LOCAL_MEASURED])
-                and bool(low[S.REPLAYABLE]) and not high[S.REPEATED] and not high[S.ERROR])
+        return (self.config.trigger_audits and not m.deferred and m.grads and self._replayable(high, low)
+                and bool(high[S.LOCAL_NONFINITE]) and not low[S.LOCAL_NONFINITE])
+
+    def _outlier_audit(self, m: _Measured) -> tuple[Finding | None, str]:
+        """A rank's loss or gradient norm jumped away from the others and its own history: partners replay the
+        step now. Reproduced: data (a hard batch), a numerics event of ``replay``; not reproduced: hardware.
+        Returns the finding and this rank's replay result."""
+        assert self._replay is not None
+        replayed, _ = self._replay.run(None, m.norms)
+        if self._replay.errors:
+            self._warn_once("triggered-error", "sdc_telemetry: step %d: the triggered audit failed on ranks %s: %s",
+                            m.step, self._replay.errors[:16], self._replay.error_text)
+            return None, "error" if self.rank in self._replay.errors else "skipped"
+        audit = {"trigger": "outlier", "replayed": True}
+        if replayed is None:
+            return Finding("replay", (), {"verdict": "data", "triggered_audit": audit,
+                                          "reason": "a rank's loss or gradient norm was an outlier and a partner "
+                                                    "recomputing its micro-batch got the same: the data, not the "
+                                                    "hardware"}), "pass"
+        return Finding("replay", replayed.suspect_ranks, {**replayed.evidence, "triggered_audit": audit}), "fail"
 
     def _triggered_audit(self, m: _Measured, finding: Finding | None) -> Finding | None:
         """Replay the step now: partners recompute the non-finite ranks' micro-batches. The same non-finite result
@@ -584,6 +628,7 @@ class SDCMonitor:
             ambiguous_checks=tuple(i.check for i in mine if i.evidence.get("ambiguous") is True), errors=errors))
         raising = root_cause([i for i in opened if i.suspect_ranks])
         if raising and self.config.on_suspect == "raise":
+            self.sinks.flush()  # the page is out before any rank stops (close() on the stop path is then prompt)
             self._abandoned = True  # the loop stops: close() must not run collectives the others never join
             raise SDCDetected(raising[0], raising)
         return opened
@@ -594,7 +639,7 @@ class SDCMonitor:
     def _grad_norms(self, m: _Measured, results: dict[str, str]) -> dict[str, float]:
         if not m.grads:
             return {}
-        local, reduced = m.agreement.local()
+        local, reduced = m.agreement.local()[:2]
         out: dict[str, float] = {}
         if results.get("grad_local") in ("pass", "fail"):
             out["local"] = local

@@ -8,15 +8,22 @@ The vector's size depends on the layout, never on the world size.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 __all__ = ["STEP", "LOCAL_MEASURED", "LOCAL_NONFINITE", "REDUCED_MEASURED", "REDUCED_NONFINITE", "ERROR", "REPEATED",
-           "REPLAYABLE", "SCALER", "WEIGHTS_ERROR", "DIGEST", "FIELDS", "GRAD_FIELDS", "digests_agree", "pack"]
+           "REPLAYABLE", "SCALER", "WEIGHTS_ERROR", "DIGEST", "REDUCED_CHECKSUM", "LOSS_Q", "NORM_Q", "JUMP_Q",
+           "FIELDS", "GRAD_FIELDS", "OUTLIER_FIELDS", "digests_agree", "pack"]
 
 (STEP, LOCAL_MEASURED, LOCAL_NONFINITE, REDUCED_MEASURED, REDUCED_NONFINITE, ERROR, REPEATED, REPLAYABLE, SCALER,
- WEIGHTS_ERROR, DIGEST) = range(11)
-FIELDS = 11
+ WEIGHTS_ERROR, DIGEST, REDUCED_CHECKSUM, LOSS_Q, NORM_Q, JUMP_Q) = range(15)
+FIELDS = 15
+# REDUCED_CHECKSUM: the layout's reduce-phase checksum disagreed on this rank (1), or was not measured (0).
+# LOSS_Q, NORM_Q, JUMP_Q: this rank's loss and local gradient norm, quantized (checks/outliers.py), and its jump
+# against its own recent history: the spread between ranks comes from their MAX and MIN.
 GRAD_FIELDS = (LOCAL_MEASURED, LOCAL_NONFINITE, REDUCED_MEASURED, REDUCED_NONFINITE)
+OUTLIER_FIELDS = (LOSS_Q, NORM_Q, JUMP_Q)
 
 
 def digests_agree(high: list[int], low: list[int], slots: int) -> bool:
@@ -24,15 +31,16 @@ def digests_agree(high: list[int], low: list[int], slots: int) -> bool:
     return all(high[f] == low[f] for f in (DIGEST, *range(FIELDS, FIELDS + slots)))
 
 
-def pack(host: list[int], nonfinite: torch.Tensor, digest: torch.Tensor, device: torch.device, slots: int, slot: int,
-         absent: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The status vector on ``device`` from the host fields and the device-side values (no host synchronisation),
-    and the mask of the slots this rank leaves absent (``absent``: the mask made at an earlier step, reused)."""
+def pack(host: list[int], on_device: Mapping[int, torch.Tensor], digest: torch.Tensor, device: torch.device,
+         slots: int, slot: int, absent: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The status vector on ``device`` from the host fields and the device-side values (``on_device``: field ->
+    0-d tensor; no host synchronisation), and the mask of the slots this rank leaves absent (``absent``: the mask
+    made at an earlier step, reused)."""
     fixed = torch.tensor(host + [0] * slots, dtype=torch.int64)
     # Pinned and non-blocking on CUDA: building the vector never waits for the GPU.
     vec = fixed.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else fixed
-    vec[LOCAL_NONFINITE] = nonfinite[0]
-    vec[REDUCED_NONFINITE] = nonfinite[1]
+    for f, value in on_device.items():
+        vec[f] = value
     if not slots:
         vec[DIGEST] = digest[0]
         return vec, None

@@ -25,8 +25,10 @@ def _count_monitor_bytes(tally: dict[str, int]) -> None:
             continue
 
         def wrapper(*args: Any, _fn: Any = fn, _name: str = name, **kwargs: Any) -> Any:
-            caller = sys._getframe(1).f_globals.get("__name__", "")
-            if caller.startswith("sdc_telemetry"):
+            frame = sys._getframe(1)
+            caller = frame.f_globals.get("__name__", "")
+            # DDP's own gradient reduction, which the monitor's comm hook runs in DDP's place, is training's cost.
+            if caller.startswith("sdc_telemetry") and frame.f_code.co_name != "allreduce_as_ddp":
                 tensors = [a for a in args if isinstance(a, torch.Tensor)]
                 tally[_name] = tally.get(_name, 0) + sum(t.numel() * t.element_size() for t in tensors[:1])
                 tally["calls"] = tally.get("calls", 0) + 1

@@ -48,6 +48,12 @@ def tuple_loss_fn(module: nn.Module, batch: Any) -> torch.Tensor:
     return nn.functional.cross_entropy(module(batch.x), batch.y)
 
 
+def weighted_loss_fn(module: nn.Module, batch: Any) -> torch.Tensor:
+    """Per-sample loss weights carried by the batch (importance weights, curriculum): a batch can spike the loss."""
+    losses = nn.functional.cross_entropy(module(batch["x"]), batch["y"], reduction="none")
+    return (losses * batch["w"]).mean()
+
+
 def broken_loss_fn(module: nn.Module, batch: Any) -> torch.Tensor:
     """A loss that only works inside the training wrapper (a common mistake): every replay fails."""
     if not isinstance(module, DistributedDataParallel):
@@ -130,7 +136,8 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
     if sc.get("signature_by_rank"):
         os.environ["SDC_NUMERICS_SIGNATURE"] = f"stack-{rank % 2}"
     recorder = Recorder() if not sc.get("telemetry") else None
-    chosen_loss = {"broken": broken_loss_fn, "tuple": tuple_loss_fn}.get(sc.get("loss", ""), loss_fn)
+    chosen_loss = {"broken": broken_loss_fn, "tuple": tuple_loss_fn, "weighted": weighted_loss_fn}.get(
+        sc.get("loss", ""), loss_fn)
     try:
         wants_loss = config.replay_every or sc.get("loss_always")
         monitor = sdc.SDCMonitor(ddp, opt, loss_fn=chosen_loss if wants_loss else None, config=config,
@@ -191,6 +198,12 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
             nan_at = sc.get("nan_rank_at")
             if nan_at and rank == nan_at["rank"] and k == nan_at["step"]:  # one bad sample in one rank's batch
                 micro[0]["x"][0, 0] = float("nan")
+            if sc.get("loss") == "weighted":
+                for mb in micro:
+                    mb["w"] = torch.ones(8)
+            hard = sc.get("heavy_batch_at")
+            if hard and rank == hard["rank"] and k == hard["step"]:  # a heavy batch: its own data, not hardware
+                micro[0]["w"].fill_(hard["weight"])
             nan_from = sc.get("nan_rank_from")
             if nan_from and rank == nan_from["rank"] and k >= nan_from["step"]:  # a rank that keeps computing NaN
                 for mb in micro:

@@ -42,6 +42,11 @@ def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                           "scaler": True,
                           "fault": {"kind": "nonfinite_grad", "rank": 2, "step": 2, "param": "fc1.weight",
                                     "index": 4}},
+        "outlier_fault": {"config": {"replay_every": 0}, "steps": 16, "loss_always": True,
+                          "fault": {"kind": "perturb_output", "rank": 1, "step": 13, "module": "act", "relative": 7.0,
+                                    "transient": True}},
+        "outlier_data": {"config": {"replay_every": 0, "on_suspect": "raise"}, "steps": 16, "loss_always": True,
+                         "loss": "weighted", "heavy_batch_at": {"rank": 1, "step": 13, "weight": 50.0}},
         "root_cause": {"config": {"replay_every": 0, "on_suspect": "raise"}, "steps": 6,
                        "fault": {**flip, "bit": 30}},
         "second_divergence": {"config": {"replay_every": 0}, "steps": 12, "fault": flip,
@@ -266,3 +271,28 @@ def test_a_nan_only_one_ranks_computation_makes_is_named(three_ranks: dict[str, 
         assert incident["evidence"]["ambiguous"] is False
         assert incident["evidence"]["triggered_audit"]["mismatching_pairs"]
     assert all(r["raised_at"] == 2 for r in three_ranks["hw_nan_scaler"])
+
+
+def test_a_transient_fault_off_the_audit_schedule_is_named_by_a_triggered_audit(three_ranks: dict[str, Any]) -> None:
+    """No scheduled audit (replay_every=0): a one-step x8 fault in one rank's activations makes its loss and gradient
+    norm jump away from the others and its own history; the triggered replay names it (transient) at that step."""
+    per_rank = three_ranks["outlier_fault"]
+    _same_everywhere(per_rank)
+    [incident] = per_rank[0]["incidents"]
+    assert (incident["step"], incident["check"], incident["suspect_ranks"]) == (13, "replay", [1])
+    assert incident["evidence"]["verdict"] == "transient"
+    assert incident["evidence"]["triggered_audit"]["trigger"] == "outlier"
+    assert all(r["counts"]["replay"] == {"fail": 1} for r in per_rank)  # one triggered audit, nothing else
+
+
+def test_a_hard_batch_is_data_never_a_suspect(three_ranks: dict[str, Any]) -> None:
+    """One rank's batch weighs its samples x50 at one step (per-sample loss weights): the same outlier trigger, but
+    the partner reproduces it: verdict data, no suspect, nothing raised."""
+    per_rank = three_ranks["outlier_data"]
+    _same_everywhere(per_rank)
+    for r in per_rank:
+        assert r["raised_at"] is None
+        [incident] = r["incidents"]
+        assert (incident["step"], incident["check"], incident["suspect_ranks"]) == (13, "replay", [])
+        assert incident["evidence"]["verdict"] == "data"
+        assert r["counts"]["replay"] == {"pass": 1}
