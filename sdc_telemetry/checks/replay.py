@@ -101,6 +101,7 @@ class ReplayCheck:
         self.tolerance = _AUTO_FLOOR if self._auto else float(tolerance)
         self.noise_floor = 0.0
         self._every = every
+        self._through_grad_fields = False  # recompute through .grad (reentrant checkpointing) instead of autograd.grad
         # Triggered audits: every step's micro-batches are kept (references to the batches, RNG states, losses),
         # so that an anomalous step can be replayed at once.
         self._every_step = every_step
@@ -370,18 +371,49 @@ class ReplayCheck:
                 accumulated = self._lockstep(self._params, run_backward)
                 assert accumulated is not None
                 return self._result(losses, accumulated)
-            total: list[torch.Tensor | None] = [None] * len(self._params)
+            if not self._through_grad_fields:
+                try:
+                    return self._result(losses, self._recompute_by_grad(micro, losses))
+                except RuntimeError as e:
+                    if "checkpoint" not in str(e).lower():
+                        raise
+                    # Reentrant activation checkpointing runs its own backward into .grad and refuses
+                    # autograd.grad(): from now on this model is recomputed through .grad, saved and restored.
+                    self._through_grad_fields = True
+                    losses.clear()
+            return self._result(losses, self._recompute_by_backward(micro, losses))
+
+    def _recompute_by_grad(self, micro: Sequence[MicroBatch], losses: list[float]) -> list[torch.Tensor | None]:
+        """autograd.grad: nothing is accumulated anywhere (no .grad, no accumulation hooks such as DDP's)."""
+        total: list[torch.Tensor | None] = [None] * len(self._params)
+        for mb in micro:
+            loss = self._loss_of(mb)
+            grads = torch.autograd.grad(scaled(loss, mb.scale, mb.grad_scale), self._params, allow_unused=True)
+            for i, grad in enumerate(grads):
+                if grad is not None:
+                    prev = total[i]
+                    if prev is None and mb.had_grad is not None and mb.had_grad[i]:
+                        prev = torch.zeros_like(grad)  # zero_grad(set_to_none=False): .grad = 0.0 + g
+                    total[i] = grad if prev is None else prev + grad  # the order autograd accumulates .grad in
+            losses.append(float(loss.detach().double().item()))
+        return total
+
+    def _recompute_by_backward(self, micro: Sequence[MicroBatch], losses: list[float]
+                               ) -> list[torch.Tensor | None]:
+        """backward() into .grad, which is saved before and restored after, exactly (the same tensors)."""
+        saved = [p.grad for p in self._params]
+        try:
+            for i, p in enumerate(self._params):
+                had = micro[0].had_grad is not None and micro[0].had_grad[i]
+                p.grad = torch.zeros_like(p) if had else None  # zero_grad(set_to_none=False) leaves zeros
             for mb in micro:
                 loss = self._loss_of(mb)
-                grads = torch.autograd.grad(scaled(loss, mb.scale, mb.grad_scale), self._params, allow_unused=True)
-                for i, grad in enumerate(grads):
-                    if grad is not None:
-                        prev = total[i]
-                        if prev is None and mb.had_grad is not None and mb.had_grad[i]:
-                            prev = torch.zeros_like(grad)  # zero_grad(set_to_none=False): .grad = 0.0 + g
-                        total[i] = grad if prev is None else prev + grad  # the order autograd accumulates .grad in
+                scaled(loss, mb.scale, mb.grad_scale).backward()  # type: ignore[no-untyped-call]
                 losses.append(float(loss.detach().double().item()))
-            return self._result(losses, total)
+            return [p.grad for p in self._params]
+        finally:
+            for p, g in zip(self._params, saved, strict=True):
+                p.grad = g
 
     def _loss_of(self, mb: MicroBatch) -> torch.Tensor:
         """The micro-batch's loss under the origin's RNG and autocast state."""
@@ -413,6 +445,10 @@ class ReplayCheck:
 
     def _result(self, losses: list[float], total: Sequence[torch.Tensor | None]) -> _Result:
         fps = torch.zeros((len(self._params), 1), dtype=torch.int64, device=self._device)
+        # A trainable parameter without a gradient in this step (unused with find_unused_parameters=True, an expert
+        # that got no token) was reduced as zeros: the origin's local gradient record holds a zero slot for it.
+        total = [g if g is not None or self._lockstep is not None else torch.zeros_like(p)
+                 for g, p in zip(total, self._params, strict=True)]
         present = [(i, g) for i, g in enumerate(total) if g is not None]
         if present:
             rows = fingerprint([g for _, g in present]).to(self._device)

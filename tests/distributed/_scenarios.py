@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -23,7 +24,11 @@ from sdc_telemetry.faults import FaultInjector
 
 
 class Net(nn.Module):
-    def __init__(self, batchnorm: bool = False) -> None:
+    """``checkpoint``: "reentrant" / "nonreentrant" activation checkpointing of a hidden block (with dropout inside,
+    so the recomputation must replay the RNG); ``experts``: a two-expert layer whose second expert never gets a
+    token (a trainable parameter without a gradient at every step: DDP needs find_unused_parameters=True)."""
+
+    def __init__(self, batchnorm: bool = False, checkpoint: str | None = None, experts: bool = False) -> None:
         super().__init__()
         self.fc1 = nn.Linear(16, 32)
         self.norm = nn.BatchNorm1d(32) if batchnorm else nn.LayerNorm(32)
@@ -31,9 +36,22 @@ class Net(nn.Module):
         self.drop = nn.Dropout(0.2)
         self.fc2 = nn.Linear(32, 4)
         self.gain = nn.Parameter(torch.ones(4))  # used only through .sum(): its gradient is an expanded view
+        self.checkpoint = checkpoint
+        self.hidden = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Dropout(0.1)) if checkpoint else None
+        self.experts = nn.ModuleList([nn.Linear(32, 32), nn.Linear(32, 32)]) if experts else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.drop(self.act(self.norm(self.fc1(x))))) + 1e-3 * self.gain.sum()
+        h = self.drop(self.act(self.norm(self.fc1(x))))
+        if self.hidden is not None:
+            h = torch.utils.checkpoint.checkpoint(self.hidden, h, use_reentrant=self.checkpoint == "reentrant")
+        if self.experts is not None:
+            route = (h[:, 0] > 1e9).long()  # every token to expert 0: expert 1 gets none
+            out = torch.zeros_like(h)
+            for i, expert in enumerate(self.experts):
+                if bool((route == i).any()):  # an expert without tokens is not run (no gradient at all)
+                    out = out + torch.where((route == i)[:, None], expert(h), torch.zeros_like(h))
+            h = out
+        return self.fc2(h) + 1e-3 * self.gain.sum()
 
 
 def loss_fn(module: nn.Module, batch: Any) -> torch.Tensor:
@@ -110,7 +128,7 @@ def _same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(sc.get("seed", 0))
-    net = Net(batchnorm=sc.get("batchnorm", False))
+    net = Net(batchnorm=sc.get("batchnorm", False), checkpoint=sc.get("checkpoint"), experts=sc.get("experts", False))
     ddp = DistributedDataParallel(net, find_unused_parameters=sc.get("find_unused", False),
                                   gradient_as_bucket_view=sc.get("bucket_view", False))
     if sc.get("freeze_after_wrap"):

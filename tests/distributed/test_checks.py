@@ -127,6 +127,23 @@ def test_common_training_loop_shapes_raise_no_false_alarm() -> None:
     assert frozen[0]["incidents"][0]["evidence"]["differing_parameters"] == {"1": ["fc2.bias"]}
 
 
+def test_replay_holds_with_activation_checkpointing_and_experts_without_tokens() -> None:
+    """Reentrant and non-reentrant activation checkpointing (dropout inside), and a trainable expert that gets no
+    token (find_unused_parameters=True): every audit passes (counted, no error), and a compute fault is still
+    named by the replay in each configuration."""
+    fault = {"kind": "perturb_output", "rank": 1, "step": 3, "module": "fc2", "relative": 1e-3}
+    shapes: list[dict[str, Any]] = [{"checkpoint": "reentrant"}, {"checkpoint": "nonreentrant"},
+                                    {"experts": True, "find_unused": True}]
+    scenarios = [{"config": {"replay_every": 1}, "steps": 5, **shape, **extra}
+                 for shape in shapes for extra in ({}, {"fault": fault})]
+    results = list(zip(*spawn_ranks(run_scenarios, 3, (scenarios,), timeout=240), strict=True))
+    for shape, healthy, faulty in zip(shapes, results[0::2], results[1::2], strict=True):
+        for r in healthy:
+            assert not r["incidents"] and not r["errors"], (shape, r["incidents"])
+            assert r["counts"]["replay"] == {"pass": 5}, (shape, r["counts"]["replay"])
+        assert _verdicts(faulty[0])[0][:3] == (3, "replay", (1,)), (shape, faulty[0]["incidents"])
+
+
 def test_healthy_long_run_replay_tolerance_accumulation_and_no_side_effects() -> None:
     """Healthy 200 steps (dropout, AdamW, replay every 10) -> no incident; tolerance mode flags only perturbations
     above the tolerance; gradient accumulation replays all micro-batches; replay leaves weights, .grad, buffers and
