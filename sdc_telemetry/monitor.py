@@ -42,7 +42,7 @@ from sdc_telemetry.core.episodes import Episodes
 from sdc_telemetry.core.findings import Finding
 from sdc_telemetry.core.identity import RankIdentity, numerics_signature
 from sdc_telemetry.core.incident import Incident, SDCDetected, root_cause
-from sdc_telemetry.core.setup import agree_setup, resolve_mode
+from sdc_telemetry.core.setup import agree_setup
 from sdc_telemetry.parallel import layout_for
 from sdc_telemetry.sinks import Sinks
 from sdc_telemetry.sinks.observer import Observer, ReplayDeltas, StepReport
@@ -135,14 +135,13 @@ class SDCMonitor:
             meter_provider=meter_provider, nvml=nvml)
         self.sinks.rank = self.rank
         try:
-            classes = agree_setup(layout.group, layout.distributed, self.config, start_step,
-                                  numerics_signature(self.device), self.device, self.sinks.log_error)
+            classes, self.mode = agree_setup(layout.group, layout.distributed, self.config, start_step,
+                                             numerics_signature(self.device), self.device, self.sinks.log_error)
             gathered = layout.gather_objects(self.identity)
         except BaseException:
             self.sinks.close()  # nothing keeps a port or a file open after a failed construction
             raise
         self.identities: dict[int, RankIdentity] = {i.rank: i for i in gathered if isinstance(i, RankIdentity)}
-        self.mode = resolve_mode(self.config, classes, self.device, self._writer)
         self.incidents: list[Incident] = []
         self._episodes = Episodes(self.incidents)
 

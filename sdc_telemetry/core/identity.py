@@ -5,13 +5,14 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankIdentity", "numerics_signature", "NUMERICS_SIGNATURE_ENV"]
+__all__ = ["RankIdentity", "numerics_signature", "numerics_settings", "bitwise_reproducible", "NUMERICS_SIGNATURE_ENV"]
 
 HOST_NAME_ENV = "SDC_HOST_NAME"
 NUMERICS_SIGNATURE_ENV = "SDC_NUMERICS_SIGNATURE"
@@ -80,17 +81,44 @@ def _gpu_uuid(device: torch.device) -> str | None:
 
 def numerics_signature(device: torch.device) -> int:
     """A 64-bit id of everything that decides the bits a rank computes: device model and compute capability, torch,
-    CUDA, cuDNN and driver versions, the CPU's vector ISA. Ranks with equal signatures can be compared exactly;
+    CUDA, cuDNN and driver versions, the CPU's vector ISA, and the kernel-choosing settings (``numerics_settings``:
+    autotuning, TF32, matmul precision, deterministic algorithms). Ranks with equal signatures can be compared exactly;
     others only within a calibrated tolerance. ``SDC_NUMERICS_SIGNATURE`` overrides it (fire drills of a mixed
     cluster on identical machines)."""
     override = os.environ.get(NUMERICS_SIGNATURE_ENV)
-    parts = [override] if override else [f"torch={torch.__version__}", f"cpu={_cpu_capability()}"]
+    parts = [override] if override else [f"torch={torch.__version__}", f"cpu={_cpu_capability()}",
+                                         *(f"{k}={v}" for k, v in numerics_settings().items())]
     if not override and device.type == "cuda":
         props: Any = torch.cuda.get_device_properties(device)
         parts += [f"gpu={props.name}", f"cc={props.major}.{props.minor}", f"cuda={torch.version.cuda}",
                   f"cudnn={_cudnn_version()}", f"driver={_driver_version()}"]
     digest = hashlib.blake2b("|".join(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
+
+
+def numerics_settings() -> dict[str, object]:
+    """The process's settings that change which kernels run, hence the bits: autotuning (cuDNN benchmark mode,
+    Inductor's max-autotune when Inductor is loaded), TF32 and matmul precision, deterministic algorithms."""
+    inductor = sys.modules.get("torch._inductor.config")
+    return {
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "cudnn.benchmark": bool(torch.backends.cudnn.benchmark),
+        "cudnn.deterministic": bool(torch.backends.cudnn.deterministic),
+        "cudnn.allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+        "matmul.allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "inductor.max_autotune": bool(getattr(inductor, "max_autotune", False)) if inductor is not None else False,
+    }
+
+
+def bitwise_reproducible(device: torch.device) -> bool:
+    """Whether two ranks with this stack compute the same bits for the same inputs: on the CPU, or on a GPU with
+    deterministic algorithms and no autotuning (cuDNN benchmark mode or max-autotune pick kernels per process)."""
+    if device.type == "cpu":
+        return True
+    settings = numerics_settings()
+    return bool(settings["deterministic"]) and not settings["cudnn.benchmark"] and \
+        not settings["inductor.max_autotune"]
 
 
 def _cudnn_version() -> str:

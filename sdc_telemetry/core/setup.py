@@ -1,7 +1,8 @@
 """Set-up agreement: the checks run on the same steps, with the same settings, in the same mode, on every rank.
 
 One all-reduce of a small vector at construction: the hash of the detection settings and the start step, whether
-the incident log could be opened, and the numerics signature. Disagreement is the same clear error on every rank,
+the incident log could be opened, the numerics signature (which includes the kernel-choosing settings), and the
+comparison mode each rank resolved. Disagreement is the same clear error on every rank,
 never a hang. Deployment fields (metrics port and host, OTLP endpoint, NVML, the job name, the Alertmanager URL,
 the incident directory) may differ per node (a collector per node, say) and are not compared.
 """
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from sdc_telemetry.core.collective import agree, gather_rows
 from sdc_telemetry.core.config import SDCConfig
+from sdc_telemetry.core.identity import bitwise_reproducible
 
 __all__ = ["DETECTION_FIELDS", "agree_setup", "resolve_mode"]
 
@@ -36,16 +38,19 @@ def detection_hash(config: SDCConfig, start_step: int) -> int:
 
 
 def agree_setup(group: dist.ProcessGroup | None, distributed: bool, config: SDCConfig, start_step: int,
-                signature: int, device: torch.device, log_error: str | None) -> list[int] | None:
+                signature: int, device: torch.device, log_error: str | None
+                ) -> tuple[list[int] | None, str]:
     """Collective set-up checks. Returns per-position numerics-signature classes when the ranks' stacks differ
-    (None when they are all alike)."""
+    (None when they are all alike) and the comparison mode every rank uses (``resolve_mode``, agreed)."""
     if not distributed:
         if log_error:
             raise ValueError(log_error)
-        return None
-    vec = torch.tensor([detection_hash(config, start_step), int(log_error is not None), signature],
-                       dtype=torch.int64)
+        return None, resolve_mode(config, None, device, True)
+    local_mode = resolve_mode(config, None, device, False)
+    vec = torch.tensor([detection_hash(config, start_step), int(log_error is not None), signature,
+                        int(local_mode == "exact")], dtype=torch.int64)
     high, low = agree(vec.to(device), group)
+    writer = dist.get_rank(group) == 0
     if high[1]:
         msg = log_error or "the first rank of the group could not open SDCConfig.incident_dir"
         raise ValueError(f"{msg} (every rank stops here)")
@@ -54,13 +59,17 @@ def agree_setup(group: dist.ProcessGroup | None, distributed: bool, config: SDCC
                          "differ between ranks: every rank must construct the monitor with the same settings (checks "
                          "run on the same steps everywhere)")
     if high[2] == low[2]:
-        return None
+        if high[3] != low[3]:  # equal stacks resolve alike; anything else is a bug to stop on, not to hang on
+            raise ValueError("the ranks resolved SDCConfig.mode differently (exact on some, tolerance on others) with "
+                             "equal numerics signatures: set SDCConfig(mode='exact' or 'tolerance') explicitly "
+                             "(every rank stops here)")
+        return None, resolve_mode(config, None, device, writer)
     classes = [r[0] for r in gather_rows(torch.tensor([signature], dtype=torch.int64), group, device)]
-    if dist.get_rank(group) == 0:
-        log.warning("sdc_telemetry: the ranks run on %d different hardware/software stacks: exact comparison only "
-                    "between ranks of the same stack; the replay compares with a calibrated tolerance",
-                    len(set(classes)))
-    return classes
+    if writer:
+        log.warning("sdc_telemetry: the ranks run on %d different hardware/software stacks (or kernel settings: "
+                    "autotuning, TF32, deterministic algorithms): exact comparison only between ranks of the same "
+                    "stack; the replay compares with a calibrated tolerance", len(set(classes)))
+    return classes, resolve_mode(config, classes, device, writer)
 
 
 def resolve_mode(config: SDCConfig, classes: list[int] | None, device: torch.device, writer: bool) -> str:
@@ -72,5 +81,4 @@ def resolve_mode(config: SDCConfig, classes: list[int] | None, device: torch.dev
         return "tolerance"
     if config.mode != "auto":
         return config.mode
-    exact = device.type == "cpu" or torch.are_deterministic_algorithms_enabled()
-    return "exact" if exact else "tolerance"
+    return "exact" if bitwise_reproducible(device) else "tolerance"

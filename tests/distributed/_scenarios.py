@@ -153,6 +153,9 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
     config = sdc.SDCConfig(**{"metrics_port": None, "nvml": False, **sc.get("config", {})})
     if sc.get("signature_by_rank"):
         os.environ["SDC_NUMERICS_SIGNATURE"] = f"stack-{rank % 2}"
+    benchmark_before = torch.backends.cudnn.benchmark
+    if sc.get("cudnn_benchmark_rank") == rank:  # this rank lets cuDNN autotune: its kernels may differ
+        torch.backends.cudnn.benchmark = True
     recorder = Recorder() if not sc.get("telemetry") else None
     chosen_loss = {"broken": broken_loss_fn, "tuple": tuple_loss_fn, "weighted": weighted_loss_fn}.get(
         sc.get("loss", ""), loss_fn)
@@ -165,6 +168,7 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
         return {"error": str(e)}
     finally:
         os.environ.pop("SDC_NUMERICS_SIGNATURE", None)
+        torch.backends.cudnn.benchmark = benchmark_before
     if sc.get("watch_state"):
         opt.register_step_pre_hook(lambda *_: undisturbed.append(_same_state(snapshots[-1], _state(net))))
     if sc.get("defer"):  # the CUDA policy (verdicts read one step later), exercised on CPU ranks

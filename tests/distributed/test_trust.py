@@ -63,6 +63,7 @@ def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "verify_row_swap": {"config": {"replay_every": 0, "weights_every": 0}, "steps": 4,
                             "swap_after": {"step": 2, "rank": 2, "param": "fc1.weight", "rows": (3, 7)}},
         "mixed_cluster": {"config": {"replay_every": 2}, "steps": 6, "signature_by_rank": True},
+        "autotune_one_rank": {"config": {"replay_every": 2}, "steps": 4, "cudnn_benchmark_rank": 0},
         "toggle_sync": {"config": {"replay_every": 2}, "steps": 4, "accumulate": 3, "toggle_sync": True,
                         "fault": {"kind": "perturb_output", "rank": 2, "step": 2, "module": "fc1", "relative": 1e-3}},
         "namedtuple": {"config": {"replay_every": 1}, "steps": 3, "batch_type": "namedtuple", "loss": "tuple"},
@@ -296,3 +297,12 @@ def test_a_hard_batch_is_data_never_a_suspect(three_ranks: dict[str, Any]) -> No
         assert (incident["step"], incident["check"], incident["suspect_ranks"]) == (13, "replay", [])
         assert incident["evidence"]["verdict"] == "data"
         assert r["counts"]["replay"] == {"pass": 1}
+
+
+def test_kernel_settings_that_differ_between_ranks_give_tolerance_everywhere(three_ranks: dict[str, Any]) -> None:
+    """One rank with cuDNN autotuning on: its numerics signature differs, so every rank agrees on tolerance mode at
+    set-up (no rank left in exact mode issuing collectives the others never join) and the audits pass."""
+    per_rank = three_ranks["autotune_one_rank"]
+    for r in per_rank:
+        assert r["mode"] == "tolerance" and not r["incidents"] and not r["errors"]
+        assert r["counts"]["replay"] == {"pass": 2}

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+import sdc_telemetry as sdc
 from sdc_telemetry import SDCConfig
 from sdc_telemetry.core.config import DEFAULT_METRICS_PORT
 
@@ -44,3 +46,39 @@ def test_from_env_names_the_bad_variable() -> None:
         SDCConfig.from_env({"SDC_WEIGHTS_EVERY": "often"})
     with pytest.raises(ValueError, match="SDC_NVML"):
         SDCConfig.from_env({"SDC_NVML": "maybe"})
+
+
+def test_numerics_signature_sees_the_settings_that_choose_kernels(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """cuDNN autotuning, TF32, matmul precision and deterministic algorithms each change the signature; auto mode
+    is exact on the CPU and on a GPU only with deterministic algorithms and no autotuning."""
+    from sdc_telemetry.core.identity import bitwise_reproducible, numerics_signature
+    from sdc_telemetry.core.setup import resolve_mode
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    base = numerics_signature(cpu)
+    for flag, value in ((torch.backends.cudnn, "benchmark"), (torch.backends.cudnn, "allow_tf32"),
+                        (torch.backends.cuda.matmul, "allow_tf32")):
+        before = getattr(flag, value)
+        try:
+            setattr(flag, value, not before)
+            assert numerics_signature(cpu) != base, value
+        finally:
+            setattr(flag, value, before)
+    precision = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium" if precision != "medium" else "highest")
+        assert numerics_signature(cpu) != base
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    auto = sdc.SDCConfig(metrics_port=None, nvml=False)
+    assert bitwise_reproducible(cpu) and resolve_mode(auto, None, cpu, False) == "exact"
+    assert resolve_mode(auto, None, gpu, False) == "tolerance"  # non-deterministic kernels by default
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert numerics_signature(cpu) != base
+        assert resolve_mode(auto, None, gpu, False) == "exact"
+        monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+        assert resolve_mode(auto, None, gpu, False) == "tolerance"  # autotuning picks kernels per process
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert resolve_mode(auto, [1, 2], cpu, False) == "tolerance"  # mixed stacks: tolerance whatever the device
