@@ -89,6 +89,19 @@ class Sinks:
     def internal_error(self, component: str) -> None:
         self.guard("telemetry", self.observer.internal_error, component)
 
+    def flush(self, timeout_s: float = 2.0) -> None:
+        """What the monitor calls right before it raises ``SDCDetected``, so that nothing a rank must hand on is
+        still in flight when the ranks start to exit: waits at most ``timeout_s`` until Alertmanager accepted the
+        pending page (a page still pending then keeps being retried until ``close()``). The incident log needs no
+        flush (each record is written and fsynced when appended). Never raises."""
+        flush = getattr(self.pager, "flush", None)
+        if flush is None:
+            return
+        delivered = self.guard("alertmanager", flush, timeout_s)
+        if delivered is False:
+            log.warning("sdc_telemetry: the page of this incident was not accepted by Alertmanager within %.1fs; "
+                        "it is retried until the monitor closes", timeout_s)
+
     def close(self) -> None:
         """Flush a pending page (bounded), close the log, mark telemetry closed. Never raises."""
         if self.pager is not None:

@@ -6,6 +6,7 @@ The metrics path pages through Prometheus: a scrape, a rule evaluation, then Ale
 
     pusher = AlertmanagerPusher("http://alertmanager:9093", job_name="llm", on_error=count_error)
     pusher.page(incident)        # returns at once; a background thread posts one alert per suspect
+    pusher.flush(timeout_s=2.0)  # before the job stops: waits (bounded) until Alertmanager accepted it
     pusher.close()               # at shutdown: waits (bounded) for a pending post
 
 Each alert has the alert name, labels and annotations of the Prometheus rule for the same check and rank
@@ -17,9 +18,10 @@ post that delivered it: a pushed alert nobody refreshes resolves by itself.
 Delivery: a post that fails (an HTTP error status, a refused connection, a timeout) is retried from the background
 thread with exponential backoff (``retry_initial_s`` doubling up to ``retry_max_s``) until Alertmanager answers 2xx,
 for at most ``retry_for_s`` seconds and ``max_attempts`` attempts per page, after which the page is given up with an
-error in the log (the rule still pages once Prometheus scrapes the suspect). Pages are posted in order. ``close()``
-wakes a waiting retry at once and keeps retrying briefly (every ``retry_initial_s``) until its timeout, so a stop
-path stays prompt.
+error in the log (the rule still pages once Prometheus scrapes the suspect). Pages are posted in order. ``flush()``
+(what the monitor calls before it raises ``SDCDetected``) and ``close()`` wake a waiting retry at once and keep
+retrying briefly (every ``retry_initial_s``) until their timeout, so a stop path stays prompt; after a ``flush()``
+that delivered everything, ``close()`` returns at once.
 
 Telemetry never breaks training: ``page()`` and ``close()`` never raise and never block on the network. Each failure
 (each failed attempt, and a page still pending when ``close()`` gives up) calls ``on_error``; the monitor counts it in
@@ -117,6 +119,7 @@ class AlertmanagerPusher:
         self._thread: threading.Thread | None = None
         self._closed = False       # close() was called: no new pages
         self._deadline: float | None = None  # monotonic time close() stops waiting for the thread
+        self._flushing = 0         # flush() calls waiting: retries are not held back by their backoff
         self._abandoned = False    # close() gave up: the thread stops after its current attempt
         self._warned = False
         self._last_try = 0.0       # monotonic time of the last attempt
@@ -154,6 +157,31 @@ class AlertmanagerPusher:
         """Pages queued or being retried."""
         with self._cond:
             return len(self._pending)
+
+    def flush(self, timeout_s: float = 2.0) -> bool:
+        """Wait at most ``timeout_s`` until every queued page is accepted (or given up); a retry waiting out its
+        backoff tries again now, then every ``retry_initial_s``. Returns True when nothing is pending. What is still
+        pending after ``timeout_s`` stays queued and retried in the background (``close()`` has the last word). Never
+        raises; the pusher stays open."""
+        try:
+            deadline = time.monotonic() + max(0.0, float(timeout_s))
+            with self._cond:
+                if not self._pending:
+                    return True
+                self._flushing += 1
+                self._cond.notify_all()  # a retry waiting out its backoff tries again now
+                try:
+                    while self._pending and not self._abandoned and self._thread is not None:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._cond.wait(left)
+                    return not self._pending
+                finally:
+                    self._flushing -= 1
+        except Exception:
+            log.debug("sdc_telemetry: flushing the Alertmanager pusher failed", exc_info=True)
+            return False
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Post what is pending, retrying for at most ``timeout_s``; what is still pending then is dropped (and
@@ -193,6 +221,7 @@ class AlertmanagerPusher:
                 if ok:
                     self._pending.popleft()
                     self.delivered += 1
+                    self._cond.notify_all()  # a flush() waiting for this page returns
                     if page.attempts > 1:
                         log.warning("sdc_telemetry: page of the incident at step %d accepted by %s after %d "
                                     "attempts", page.step, self.endpoint, page.attempts)
@@ -205,6 +234,7 @@ class AlertmanagerPusher:
                 if give_up:
                     self._pending.popleft()
                     self.given_up += 1
+                    self._cond.notify_all()
                 else:
                     page.next_try = now + min(self.retry_max_s, self.retry_initial_s * 2 ** (page.attempts - 1))
             self._failed(f"push of {len(page.alerts)} alert(s) to {self.endpoint} failed (attempt "
@@ -231,6 +261,8 @@ class AlertmanagerPusher:
                 if now >= self._deadline:
                     return None  # close() drops what is left
                 # Closing: no long backoff, a retry every retry_initial_s until close()'s deadline.
+                due = min(due, self._last_try + self.retry_initial_s)
+            elif self._flushing:  # flushing: the same, until the flush returns
                 due = min(due, self._last_try + self.retry_initial_s)
             if now >= due:
                 return page

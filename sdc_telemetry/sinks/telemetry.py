@@ -8,7 +8,7 @@ counted in ``sdc_internal_errors_total``::
 
     telemetry = Telemetry(SDCConfig(metrics_port=9860), RankIdentity.local())
     telemetry.report(StepReport(step=0, results={"grad_local": "pass"}))   # steps += 1, checks{pass} += 1
-    telemetry.close()        # sdc_monitor_closed = 1, one last scrape if Prometheus watches, then stop
+    telemetry.close()        # sdc_monitor_closed = 1, then stop at once (close_scrape_wait_s: wait for a scrape)
 
 Pages: ``sdc_suspect{check}`` latches for an unambiguous hardware suspect only; a suspect of an ambiguous verdict
 (``StepReport.ambiguous_checks``) latches ``sdc_suspect_ambiguous{check}`` instead, which the rules turn into a
@@ -30,12 +30,15 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import selectors
 import socket
+import socketserver
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import prometheus_client
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -86,16 +89,19 @@ class Telemetry(Observer):
       CUDA device when ``config.nvml``.
     - ``readers``: extra metric readers on the private provider (``InMemoryMetricReader`` in tests).
     - ``otlp_interval_s`` / ``otlp_timeout_s``: push period and per-export bound of the OTLP reader.
-    - ``close_scrape_wait_s``: ``close()`` sets ``sdc_monitor_closed`` to 1 and keeps the endpoint up until one
-      more scrape has read it, so Prometheus tells a clean end from a crash. It never waits when the endpoint was
-      never scraped (nobody watches), and at most 1.5 observed scrape intervals, capped by this many seconds.
+    - ``close_scrape_wait_s``: when asked (> 0), ``close()`` sets ``sdc_monitor_closed`` to 1 and keeps the
+      endpoint up until one more scrape has read it, so Prometheus tells a clean end from a crash (the demo stack
+      asks for it). It never waits when the endpoint was never scraped (nobody watches), and at most 1.5 observed
+      scrape intervals, capped by this many seconds. The default, 0, never waits: a job's end (and the stop on
+      ``SDCDetected``, which launchers race) costs no scrape interval; ``SDCExporterDown`` may then warn once for
+      a job whose last scrape predates its end.
     """
 
     def __init__(self, config: SDCConfig, identity: RankIdentity, *,
                  registry: prometheus_client.CollectorRegistry | None = None,
                  meter_provider: MeterProvider | None = None, nvml: _nvml.NVMLDevice | None = None,
                  readers: Sequence[MetricReader] = (), otlp_interval_s: float = 15.0,
-                 otlp_timeout_s: float = 5.0, close_scrape_wait_s: float = 8.0) -> None:
+                 otlp_timeout_s: float = 5.0, close_scrape_wait_s: float = 0.0) -> None:
         if meter_provider is not None and readers:
             raise ValueError("Telemetry: pass readers= only without meter_provider= (add them to your provider)")
         if not (math.isfinite(close_scrape_wait_s) and close_scrape_wait_s >= 0):
@@ -106,8 +112,9 @@ class Telemetry(Observer):
         self.registry = registry if registry is not None else prometheus_client.CollectorRegistry()
         self.port: int | None = None  # the port the endpoint listens on, once it does
         self._closed = False
-        self._server: Any = None
+        self._server: _Server | None = None
         self._server_thread: threading.Thread | None = None
+        self._wake: tuple[socket.socket, socket.socket] | None = None  # wakes the endpoint's accept loop to stop
         self._endpoint: _Endpoint | None = None
         self._owns_provider = meter_provider is None
         self._owned_nvml: _nvml.NVMLDevice | None = None
@@ -292,8 +299,7 @@ class Telemetry(Observer):
         try:
             if port > 65535:
                 raise OSError(errno.EINVAL, f"port {port} is above 65535")
-            self._server, self._server_thread = prometheus_client.start_http_server(port, addr=host,
-                                                                                   registry=self.registry)
+            self._server, self._server_thread, self._wake = _start_endpoint(host, port, self.registry)
         except Exception as e:  # noqa: BLE001 - no endpoint, but training goes on
             self.internal_error("exporter")
             in_use = isinstance(e, OSError) and e.errno == errno.EADDRINUSE
@@ -316,12 +322,13 @@ class Telemetry(Observer):
             self._scraped.notify_all()
 
     def _mark_closed(self) -> None:
-        """``sdc_monitor_closed`` = 1, then wait for a scrape that started after it, when Prometheus watches."""
+        """``sdc_monitor_closed`` = 1, then, when asked and Prometheus watches, wait for a scrape that started after
+        it."""
         self._i["sdc_monitor_closed"].set(1, self._attrs)
         closed_at = time.monotonic()
         with self._scraped:
-            if self._server is None or self._last_scrape is None:
-                return  # no endpoint, or nobody has ever scraped it: nobody to tell
+            if self._close_scrape_wait_s == 0 or self._server is None or self._last_scrape is None:
+                return  # not asked, no endpoint, or nobody has ever scraped it: nobody to tell
             wait_s = self._close_scrape_wait_s
             if self._scrape_interval is not None:
                 wait_s = min(wait_s, 1.5 * self._scrape_interval)
@@ -331,11 +338,19 @@ class Telemetry(Observer):
             log.info("sdc_telemetry: rank %d closed without a final scrape within %.1fs", self.identity.rank, wait_s)
 
     def _stop_server(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+        """Stop the endpoint at once: wake its accept loop (no poll interval to wait out), then close the socket."""
+        if self._wake is not None:
+            try:
+                self._wake[0].send(b"x")
+            except OSError:
+                log.debug("sdc_telemetry: waking the metrics endpoint failed", exc_info=True)
         if self._server_thread is not None:
             self._server_thread.join(timeout=5)
+        if self._server is not None:
+            self._server.server_close()
+        if self._wake is not None:
+            for sock in self._wake:
+                sock.close()
 
     def _open_gpu(self, meter: Meter, device: _nvml.NVMLDevice | None) -> None:
         if device is None and self.config.nvml and self.identity.hw_id.startswith("GPU-"):
@@ -351,6 +366,57 @@ class Telemetry(Observer):
         if device.source != "nvml":
             log.warning("sdc_telemetry: GPU counters of %s come from %s", device.uuid, device.source)
         self._gpu = GPUCollector(device, meter, self._attrs, self.internal_error)
+
+
+class _Server(socketserver.ThreadingMixIn, WSGIServer):
+    """The endpoint's HTTP server: prometheus_client's thread-per-request WSGI server, run by ``_accept_loop``, which
+    also watches a wake-up socket so that ``close()`` stops it at once (``serve_forever``'s ``shutdown()`` waits
+    up to its 0.5 s poll interval, which a launcher stopping the job may not grant)."""
+
+    daemon_threads = True  # request threads are fire and forget (never joined at close)
+    timeout = 0            # handle_request() runs after select() said a connection waits: it never blocks
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """Logs no request line (a scrape every few seconds)."""
+
+    def log_message(self, *args: Any) -> None:
+        return None
+
+
+def _start_endpoint(host: str, port: int, registry: prometheus_client.CollectorRegistry
+                    ) -> tuple[_Server, threading.Thread, tuple[socket.socket, socket.socket]]:
+    """Serve ``registry`` on ``host:port`` from a daemon thread (IPv6 hosts too, as prometheus_client does)."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    server_class = type("_FamilyServer", (_Server,), {"address_family": family})
+    server: _Server = make_server(str(sockaddr[0]), port, prometheus_client.make_wsgi_app(registry), server_class,
+                                  handler_class=_QuietHandler)
+    wake = socket.socketpair()
+    try:
+        thread = threading.Thread(target=_accept_loop, args=(server, wake[1]), name="sdc-metrics-endpoint",
+                                  daemon=True)
+        thread.start()
+    except BaseException:
+        server.server_close()
+        for sock in wake:
+            sock.close()
+        raise
+    return server, thread, wake
+
+
+def _accept_loop(server: _Server, wake: socket.socket) -> None:
+    """Handle connections until ``wake`` is readable."""
+    try:
+        with selectors.DefaultSelector() as selector:
+            selector.register(server, selectors.EVENT_READ)
+            selector.register(wake, selectors.EVENT_READ)
+            while True:
+                for key, _ in selector.select():
+                    if key.fileobj is wake:
+                        return
+                    server.handle_request()
+    except (OSError, ValueError):  # the sockets were closed under the loop: the endpoint is stopping anyway
+        log.debug("sdc_telemetry: the metrics endpoint's accept loop stopped", exc_info=True)
 
 
 class _Endpoint:
