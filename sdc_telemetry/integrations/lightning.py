@@ -28,6 +28,12 @@ Where the callback hooks in (automatic optimization, Lightning 2.x). The forward
   Lightning does not call callbacks for weights-only checkpoints (``save_weights_only=True``): those carry none.
 - ``on_exception`` and ``teardown``: close the monitor.
 
+The stop: wrap ``fit`` in ``with sdc.exit_on_sdc(callback):`` and every rank exits 75 on ``SDCDetected``. Lightning
+registers a SIGTERM handler for the fit that runs a collective (a broadcast), which a rank that gets the launcher's
+SIGTERM while it is still stopping (its peers already exited) must not run; so from ``on_train_start`` until
+Lightning restores its handlers, the callback puts a guard in front of it (``sdc_telemetry.stop.guard_sigterm``): a
+SIGTERM on the SDC stop path is held back (the rank exits 75 when its stop is done), any other goes to Lightning.
+
 Manual optimization and several optimizers are not supported (there is no single point per step every rank
 reaches); the callback says so when the fit starts.
 """
@@ -48,6 +54,7 @@ from sdc_telemetry.integrations._certify import CERTIFICATE_KEY, certify
 from sdc_telemetry.monitor import SDCMonitor
 from sdc_telemetry.sinks.observer import Observer
 from sdc_telemetry.step import StepContext
+from sdc_telemetry.stop import guard_sigterm
 
 __all__ = ["SDCCallback", "training_step_loss"]
 
@@ -110,6 +117,7 @@ class SDCCallback(pl.Callback):
         self.observer = observer
         self.monitor: SDCMonitor | None = None
         self._step: StepContext | None = None
+        self._sigterm: guard_sigterm | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not pl_module.automatic_optimization:
@@ -131,6 +139,9 @@ class SDCCallback(pl.Callback):
 
         self.monitor = SDCMonitor(model, trainer.optimizers[0], loss_fn=loss_fn, config=self.config,
                                   start_step=trainer.global_step, observer=self.observer)
+        if self._sigterm is not None:  # a guard left by an earlier fit (released unless Lightning replaced it)
+            self._sigterm.release()
+        self._sigterm = guard_sigterm(self)  # in front of Lightning's SIGTERM handler until it restores its own
         if trainer.is_global_zero and any(getattr(cb, "save_weights_only", False)
                                           for cb in trainer.checkpoint_callbacks):
             log.warning("sdc_telemetry: ModelCheckpoint(save_weights_only=True) checkpoints carry no weight "
@@ -173,6 +184,9 @@ class SDCCallback(pl.Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._close()
+        if self._sigterm is not None:  # not on_exception: the stop path keeps the guard until Lightning's teardown
+            self._sigterm.release()
+            self._sigterm = None
 
     def _close(self) -> None:
         self._step = None

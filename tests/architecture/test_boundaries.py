@@ -18,7 +18,8 @@ ALLOWED: dict[str, set[str]] = {
     "sinks": {"core", "sinks"},
     "step": {"core", "checks"},
     "monitor": {"core", "parallel", "checks", "sinks", "step"},
-    "integrations": {"core", "sinks", "monitor", "step", "integrations"},
+    "integrations": {"core", "sinks", "monitor", "step", "stop", "integrations"},
+    "stop": {"core", "monitor"},
 }
 
 
