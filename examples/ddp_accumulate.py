@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from contextlib import nullcontext
 
 import torch
@@ -46,7 +45,7 @@ def main() -> None:
     monitor = sdc.SDCMonitor(model, optimizer, loss_fn=compute_loss, config=config)
     gen = torch.Generator().manual_seed(dist.get_rank())
     n = args.micro
-    try:
+    with sdc.exit_on_sdc(monitor):  # SDCDetected: every rank exits 75; closes the monitor when the loop ends
         for _ in range(args.steps):
             with monitor.step() as step:
                 for micro_step in range(n):
@@ -62,12 +61,6 @@ def main() -> None:
                             step.backward(compute_loss(model, mb), scale=1 / n)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    except sdc.SDCDetected as e:
-        monitor.close()
-        dist.destroy_process_group()
-        print(f"stopping: {e}", file=sys.stderr, flush=True)
-        os._exit(e.exit_code)  # sdc.EXIT_SDC (75); os._exit: see examples/ddp_train.py
-    monitor.close()
     dist.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"{args.steps} steps of {n} micro-batches ({'toggle' if args.toggle else 'no_sync'}) without incident")

@@ -12,7 +12,6 @@ scaler still in the loop.
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -41,7 +40,7 @@ def main() -> None:
     config = sdc.SDCConfig.from_env(replay_every=2, on_suspect="raise")
     monitor = sdc.SDCMonitor(model, optimizer, loss_fn=compute_loss, config=config)
     gen = torch.Generator().manual_seed(dist.get_rank())
-    try:
+    with sdc.exit_on_sdc(monitor):  # SDCDetected: every rank exits 75; closes the monitor when the loop ends
         for _ in range(8):
             x, y = torch.randn(16, 32, generator=gen), torch.randint(0, 4, (16,), generator=gen)
             batch = (x.to(device), y.to(device))
@@ -50,12 +49,6 @@ def main() -> None:
             scaler.step(optimizer)  # may skip the update on overflow: the checks already ran
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
-    except sdc.SDCDetected as e:
-        monitor.close()
-        dist.destroy_process_group()
-        print(f"stopping: {e}", file=sys.stderr, flush=True)
-        os._exit(e.exit_code)  # sdc.EXIT_SDC (75); os._exit: see examples/ddp_train.py
-    monitor.close()
     dist.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:
         print("8 mixed-precision steps with a GradScaler without incident")

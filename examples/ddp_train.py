@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -61,7 +60,9 @@ def main() -> None:
     config = sdc.SDCConfig.from_env(weights_every=1, replay_every=5, on_suspect="raise")
     monitor = sdc.SDCMonitor(model, optimizer, loss_fn=compute_loss, config=config, start_step=start_step)
     gen = torch.Generator().manual_seed(1000 * start_step + rank)  # each rank its own data
-    try:
+    # One line for the stop: SDCDetected on any rank (a step, or certificate() at a checkpoint) closes the monitor
+    # and exits with sdc.EXIT_SDC (75) on every rank, also when torchrun sends SIGTERM to ranks still stopping.
+    with sdc.exit_on_sdc(monitor):
         for step in range(start_step, args.steps):
             x, y = torch.randn(16, 32, generator=gen), torch.randint(0, 4, (16,), generator=gen)
             batch = (x.to(device), y.to(device))
@@ -76,15 +77,7 @@ def main() -> None:
                 if rank == 0:
                     torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                                 "sdc_certificate": cert.to_dict()}, args.checkpoint)
-    except sdc.SDCDetected as e:
-        monitor.close()  # flushes the page; returns within seconds
-        dist.destroy_process_group()
-        print(f"rank {rank}: stopping: {e}", file=sys.stderr, flush=True)
-        # sdc.EXIT_SDC (75) on every rank: the launcher restarts without the suspect node. os._exit, not sys.exit:
-        # a gloo (CPU) process can abort in interpreter teardown after a peer left, losing the exit code.
-        os._exit(e.exit_code)
-    monitor.close()
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # the monitor was closed when the block ended
     if rank == 0:
         print(f"trained steps {start_step}..{args.steps - 1} without incident")
 
