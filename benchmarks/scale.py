@@ -78,7 +78,10 @@ class ByteCounter:
 
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if not sys._getframe(1).f_globals.get("__name__", "").startswith("sdc_telemetry"):
+            frame = sys._getframe(1)
+            # DDP's own gradient reduction, run by the monitor's comm hook in DDP's place, is training's traffic.
+            if not frame.f_globals.get("__name__", "").startswith("sdc_telemetry") \
+                    or frame.f_code.co_name == "allreduce_as_ddp":
                 return fn(*args, **kwargs)
             out = fn(*args, **kwargs)
             sent, received = _payload(name, args)
@@ -315,7 +318,7 @@ def cost_model(ranks: dict[int, dict[str, Any]], sim: dict[str, Any], params: in
         f"Cost model for {world:,} ranks (figures measured on this machine; bytes are per rank):",
         f"- Healthy step: {healthy['calls']:.0f} collective of the monitor, {healthy['sent']:.0f} bytes sent and "
         f"{healthy['received']:.0f} received per rank, the same at W = {', '.join(str(w) for w in ranks)} "
-        f"({'constant' if constant else 'NOT constant'}): one all-reduce (MAX) of a fixed 11-field int64 status "
+        f"({'constant' if constant else 'NOT constant'}): one all-reduce (MAX) of a fixed 15-field int64 status "
         "vector and its complement (flags, step index, weight digest), which yields both MAX and MIN. Its latency "
         "is that of the smallest all-reduce (tens of microseconds on NVLink/InfiniBand, O(log W) hops in a tree or "
         "O(W) small messages in a ring), beside gradient all-reduces of megabytes; nothing in it grows with W.",
