@@ -76,17 +76,13 @@ class SDCDetected(RuntimeError):
     """Raised on every rank at the same step when ``on_suspect="raise"`` (at the end of the step's
     ``with monitor.step()`` block, before ``optimizer.step()``); ``.incident`` says what and who.
 
-    Stop recipe::
+    Stop recipe, for any loop shape::
 
-        try:
+        with sdc.exit_on_sdc(monitor):      # SDCDetected: close without collectives, exit 75 on every rank
             train()
-        except sdc.SDCDetected as e:
-            monitor.close()                 # returns within seconds; the page was already pushed
-            sys.stdout.flush(); sys.stderr.flush()
-            os._exit(e.exit_code)           # sdc.EXIT_SDC (75) on every rank
 
-    ``os._exit`` rather than ``sys.exit``: gloo's threads can abort a process during interpreter teardown after
-    ``destroy_process_group()``, and the launcher would then report a crash instead of the SDC stop.
+    ``.incident`` is the root cause in causal order (``root_cause``); ``.incidents`` lists every incident of the
+    step that raised.
     """
 
     exit_code = EXIT_SDC
