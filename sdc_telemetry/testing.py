@@ -11,6 +11,9 @@ reported with its exit code once it is gone. After the first failure the other r
 to report (their own errors are often the useful half of the story), then every process left is killed and
 ``RankFailed`` lists each rank's outcome. Collectives use a process-group timeout of ``pg_timeout`` seconds, so a
 collective that some rank never joins fails in that time instead of gloo's default 30 minutes.
+
+``emulate_gpu_numerics`` puts GPU-like numerics on a CPU model (run-to-run noise, a rank whose kernels differ), so
+that tolerance mode, calibration and attribution can be tested and benchmarked in the regime GPUs produce.
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["spawn_ranks", "RankFailed", "FAILURE_GRACE_S"]
+__all__ = ["spawn_ranks", "RankFailed", "FAILURE_GRACE_S", "emulate_gpu_numerics", "GPUNumerics"]
 
 FAILURE_GRACE_S = 5.0  # after a first failure, how long the other ranks may still report before they are killed
 _POLL_S = 0.2  # how often the parent looks for dead ranks while no result arrives
@@ -178,3 +183,131 @@ def _collect(procs: list[Any], results: Any, world: int, timeout: float) -> list
         else:
             lines.append(f"rank {r}: no result {FAILURE_GRACE_S:.0f}s after the first failure: killed")
     raise RankFailed("\n".join(lines))
+
+
+# -- emulated GPU numerics ------------------------------------------------------------------------------------------
+
+
+class GPUNumerics:
+    """The forward hooks of ``emulate_gpu_numerics`` on one model. ``remove()`` (or leaving a ``with`` block) takes
+    them off; outputs are then exact again."""
+
+    def __init__(self, noise: float, bias: float, seed: int, names: list[str]) -> None:
+        self.noise, self.bias, self.seed = noise, bias, seed
+        self.modules = names          # the hooked submodules, by name ("" is the root)
+        self.calls = 0                # forward calls perturbed so far
+        self._handles: list[Any] = []
+        self._noise_gens: dict[torch.device, torch.Generator] = {}
+
+    @property
+    def active(self) -> bool:
+        """The hooks are on."""
+        return bool(self._handles)
+
+    def remove(self) -> None:
+        """Take every hook off (a second call does nothing)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> GPUNumerics:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.remove()
+
+    def _uniform(self, like: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        """Uniform in [-1, 1), shaped like ``like``, in float64 for float64 outputs and float32 otherwise."""
+        dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+        return torch.rand(like.shape, generator=gen, device=like.device, dtype=dtype).mul_(2).sub_(1)
+
+    def _perturb(self, index: int, out: torch.Tensor) -> torch.Tensor:
+        if not out.is_floating_point() or out.numel() == 0:
+            return out
+        dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
+        factor = torch.ones(out.shape, device=out.device, dtype=dtype)
+        if self.bias:
+            # The same pattern on every call (a generator re-seeded per call): deterministic on this rank.
+            fixed = torch.Generator(device=out.device).manual_seed((self.seed * 1_000_003 + index) % 2**63)
+            factor.add_(self._uniform(out, fixed), alpha=self.bias)
+        if self.noise:
+            gen = self._noise_gens.get(out.device)
+            if gen is None:
+                gen = self._noise_gens[out.device] = torch.Generator(device=out.device).manual_seed(
+                    (self.seed * 7_919 + 1) % 2**63)
+            factor.add_(self._uniform(out, gen), alpha=self.noise)
+        return (out.to(dtype) * factor).to(out.dtype)
+
+    def _hook(self, index: int) -> Callable[[torch.nn.Module, Any, Any], Any]:
+        def hook(_m: torch.nn.Module, _inp: Any, out: Any) -> Any:
+            self.calls += 1
+            return _map_outputs(out, lambda t: self._perturb(index, t))
+
+        return hook
+
+
+def emulate_gpu_numerics(module: torch.nn.Module, *, noise: float = 1e-6, bias: float = 0.0, seed: int | None = None,
+                         modules: Iterable[str] | None = None) -> GPUNumerics:
+    """Make a CPU model's arithmetic look like a GPU's: run-to-run noise and per-rank kernel differences.
+
+    Forward hooks on the chosen submodules (``modules``: names as in ``named_modules()``, ``""`` for the root;
+    default: every submodule that holds parameters of its own) multiply each floating-point output element by
+    ``1 + bias * b + noise * u`` (computed in float32, float64 for float64 outputs), with ``b`` and ``u`` uniform
+    in [-1, 1):
+
+    - ``noise``: ``u`` is fresh on every forward call (a private generator, never the global RNG, so dropout and a
+      replay's restored RNG state are untouched): two runs of the same micro-batch differ by about ``noise``
+      relative, as with non-deterministic GPU kernels (atomics, split-K reductions).
+    - ``bias``: ``b`` is a fixed pattern per submodule and output shape, the same on every call: the rank is
+      bitwise self-consistent and differs from ranks without it by about ``bias`` relative, as when autotuning
+      (``cudnn.benchmark``, ``torch.compile(mode="max-autotune")``) picks another kernel on one rank.
+
+    Only module outputs change (gradients follow from them through autograd): parameters, buffers, gradients
+    already accumulated and the monitor's fingerprints of them are never touched. Low-precision outputs absorb
+    what their precision cannot hold (1e-6 rounds away in bf16). ``seed`` (default: derived from the rank) makes
+    the noise reproducible across runs; give every rank a different one. A DDP or other wrapper with ``.module``
+    is unwrapped. Returns a ``GPUNumerics`` handle; ``remove()`` restores exact outputs.
+
+    >>> handle = emulate_gpu_numerics(ddp_model, noise=1e-6,                              # doctest: +SKIP
+    ...                               bias=1e-5 if dist.get_rank() == 2 else 0.0)        # one rank autotunes
+    >>> monitor = SDCMonitor(ddp_model, opt, loss_fn, SDCConfig(mode="tolerance"))       # doctest: +SKIP
+    >>> ...                                                                               # doctest: +SKIP
+    >>> handle.remove()                                                                   # doctest: +SKIP
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    for name, value in (("noise", noise), ("bias", bias)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= abs(value) < 0.5 \
+                or (name == "noise" and value < 0):
+            raise ValueError(f"{name} must be a relative size in [0, 0.5) (bias may be negative), got {value!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"seed must be an int or None, got {seed!r}")
+    if seed is None:
+        seed = 1 + (dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
+    root: torch.nn.Module = getattr(module, "module", module)
+    named = dict(root.named_modules())
+    if modules is None:
+        names = [n for n, m in named.items() if next(m.parameters(recurse=False), None) is not None]
+    else:
+        names = [modules] if isinstance(modules, str) else list(modules)
+        unknown = [n for n in names if n not in named]
+        if unknown:
+            raise ValueError(f"no submodule named {unknown[0]!r}; known: {[n for n in named if n][:20]}")
+    if not names:
+        raise ValueError("no submodule to perturb: the model has no submodule with parameters of its own; name "
+                         "some with modules=")
+    handle = GPUNumerics(float(noise), float(bias), seed, names)
+    handle._handles = [named[n].register_forward_hook(handle._hook(i)) for i, n in enumerate(names)]
+    return handle
+
+
+def _map_outputs(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_map_outputs(o, fn) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_outputs(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _map_outputs(v, fn) for k, v in obj.items()}
+    return obj

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sdc_telemetry.testing import RankFailed, spawn_ranks
+from sdc_telemetry.testing import RankFailed, emulate_gpu_numerics, spawn_ranks
 
 TIMEOUT = 120.0  # far longer than any of these runs: a failure reported "within 120s" means it waited for it
 
@@ -93,3 +93,97 @@ def test_bad_arguments_are_refused_before_spawning() -> None:
         spawn_ranks(_echo, 0)
     with pytest.raises(ValueError, match="pg_timeout"):
         spawn_ranks(_echo, 1, pg_timeout=0)
+
+
+# -- emulate_gpu_numerics -------------------------------------------------------------------------------------------
+
+
+def _net() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative difference of two outputs as a whole (norm of the difference over the norm)."""
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
+
+
+def _elementwise(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((a - b).abs() / b.abs().clamp_min(1e-30)).max())
+
+
+class _Wrapper(torch.nn.Module):
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)  # type: ignore[no-any-return]
+
+
+def test_reruns_of_the_same_input_differ_by_about_the_noise() -> None:
+    """With noise=1e-6 two forward passes of the same input differ (fresh noise on every call) by about 1e-6
+    relative, each element of a hooked layer's output by at most 2e-6; the global RNG is never drawn."""
+    net, x = _net(), torch.randn(64, 16)
+    clean = net(x).detach()
+    handle = emulate_gpu_numerics(net, noise=1e-6, seed=3)
+    assert handle.modules == ["0", "2"]  # the two Linears: the submodules holding parameters of their own
+    state = torch.get_rng_state()
+    a, b = net(x).detach(), net(x).detach()
+    assert torch.equal(torch.get_rng_state(), state)  # dropout masks and a replay's restored RNG are untouched
+    assert handle.calls == 4
+    assert 1e-7 < _rel(a, b) < 1e-5 and 1e-7 < _rel(a, clean) < 1e-5
+    handle.remove()
+    hidden = net[1](net[0](x)).detach()
+    with emulate_gpu_numerics(net, noise=1e-6, seed=3, modules=["2"]):
+        one, two = net[2](hidden).detach(), net[2](hidden).detach()
+    assert 1e-7 < _elementwise(one, two) <= 2.1e-6
+
+
+def test_a_kernel_deviation_is_self_consistent_and_differs_from_the_others() -> None:
+    """bias=1e-5 without noise: the same input gives bitwise the same output on every call (a deterministic
+    kernel), about 1e-5 relative away from the unperturbed model's and from another seed's; gradients flow."""
+    net, x = _net(), torch.randn(64, 16)
+    clean = net(x).detach()
+    with emulate_gpu_numerics(net, noise=0.0, bias=1e-5, seed=7) as handle:
+        out = net(x)
+        again = net(x).detach()
+        assert torch.equal(out.detach(), again)
+        assert 1e-6 < _rel(again, clean) < 1e-4
+        out.sum().backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in net.parameters())
+    assert not handle.active
+    other = _net()
+    with emulate_gpu_numerics(other, noise=0.0, bias=1e-5, seed=8):  # another rank's kernel choice
+        assert 1e-6 < _rel(other(x).detach(), again) < 1e-4
+
+
+def test_removal_restores_exact_outputs_and_parameters_are_never_touched() -> None:
+    """After remove() outputs are bitwise the unperturbed ones again; perturbed forward passes leave the
+    parameters (what the monitor fingerprints) bitwise unchanged; a wrapper with .module is unwrapped."""
+    net, x = _net(), torch.randn(8, 16)
+    clean = net(x).detach()
+    params = [p.detach().clone() for p in net.parameters()]
+    wrapped = _Wrapper(net)
+    handle = emulate_gpu_numerics(wrapped, noise=1e-6, bias=1e-5)
+    assert handle.modules == ["0", "2"]
+    assert not torch.equal(wrapped(x).detach(), clean)
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), params, strict=True))
+    handle.remove()
+    handle.remove()  # a second call does nothing
+    assert torch.equal(wrapped(x).detach(), clean) and handle.calls == 2
+
+
+def test_bad_arguments_name_the_problem() -> None:
+    """Negative or huge noise, a non-finite bias, an unknown submodule and a non-module are refused clearly."""
+    net = _net()
+    with pytest.raises(ValueError, match="noise"):
+        emulate_gpu_numerics(net, noise=-1e-6)
+    with pytest.raises(ValueError, match="noise"):
+        emulate_gpu_numerics(net, noise=0.7)
+    with pytest.raises(ValueError, match="bias"):
+        emulate_gpu_numerics(net, bias=float("nan"))
+    with pytest.raises(ValueError, match="no submodule named 'fc9'"):
+        emulate_gpu_numerics(net, modules=["fc9"])
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
+        emulate_gpu_numerics("net")  # type: ignore[arg-type]
