@@ -36,16 +36,16 @@ Safety, because the input comes over the network and the command can take a node
 - **Strikes.** Every action is a strike for the alert's GPU in the ledger (``sdc_telemetry.ops.ledger``); when the
   GPU already has a strike within ``strike_window_s`` (default 90 days) the ``replace_command`` runs instead of the
   command. After a successful action ``screen_command`` (if given) runs in the background.
+
+The parts: :mod:`sdc_telemetry.ops.labels` (which alerts count, label checks, templates),
+:mod:`sdc_telemetry.ops.webhook` (the HTTP server and handler), :mod:`sdc_telemetry.ops.respond_metrics` (the
+registry behind ``/metrics``) and :mod:`sdc_telemetry.ops.respond_state` (the state file); this module decides.
 """
 
 from __future__ import annotations
 
 import hmac
-import json
 import logging
-import os
-import re
-import shlex
 import shutil
 import socket
 import ssl
@@ -53,337 +53,37 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
-
+from sdc_telemetry.ops.labels import (
+    PLACEHOLDERS,
+    SDC_CRITICAL_ALERTS,
+    Page,
+    TemplateError,
+    Triage,
+    parse_duration,
+    parse_listen,
+    parse_template,
+    render,
+    validate_labels,
+)
 from sdc_telemetry.ops.ledger import DEFAULT_STRIKE_WINDOW_S, Ledger, LedgerError
-from sdc_telemetry.sinks.alert_table import SUSPECT_ALERTS
-from sdc_telemetry.sinks.metrics import family
+from sdc_telemetry.ops.respond_metrics import ResponderMetrics
+from sdc_telemetry.ops.respond_state import read_state, write_state
+from sdc_telemetry.ops.webhook import LISTEN_BACKLOG, MAX_BODY_BYTES, Handler, Server
 
-_STRIKES = family("sdc_fleet_gpu_strikes")  # the one metric table spells the name and its labels
-
-__all__ = ["PLACEHOLDERS", "MAX_BODY_BYTES", "SDC_CRITICAL_ALERTS", "DEFAULT_REACQUIRE_S", "Responder",
-           "TemplateError", "parse_duration", "parse_template", "render", "parse_listen", "validate_labels"]
+# The names above that live in labels and webhook stay importable from here.
+__all__ = ["PLACEHOLDERS", "MAX_BODY_BYTES", "SDC_CRITICAL_ALERTS", "DEFAULT_REACQUIRE_S", "LISTEN_BACKLOG",
+           "Responder", "TemplateError", "parse_duration", "parse_template", "render", "parse_listen",
+           "validate_labels"]
 
 log = logging.getLogger("sdc_telemetry")
 
-PLACEHOLDERS = ("host_name", "rank", "hw_id", "alertname")
-SDC_CRITICAL_ALERTS = frozenset(SUSPECT_ALERTS.values())
-MAX_BODY_BYTES = 1 << 20
 WINDOW_S = 3600.0
 DEFAULT_REACQUIRE_S = 86400.0
-LISTEN_BACKLOG = 128
-_BRACES = re.compile(r"\{([^{}]*)\}")
-_KNOWN = re.compile(r"\{(" + "|".join(PLACEHOLDERS) + r")\}")
 _OUTPUT_LOG_CHARS = 2000
-_HOST_RE = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]{0,252}")
-_RANK_RE = re.compile(r"[0-9]{1,9}")
-_HW_ID_RE = re.compile(r"[A-Za-z0-9_.:][A-Za-z0-9_.:-]{0,127}")
-_RESERVED_HOSTS = frozenset({"all"})  # scontrol NodeName=ALL means every node
-_DURATION_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d|w)?")
-_DURATION_UNITS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
-
-
-class TemplateError(ValueError):
-    """The command template cannot be used (does not parse, no placeholder, unknown placeholder)."""
-
-
-def parse_template(template: str, option: str = "--command") -> list[str]:
-    """Split ``template`` like a shell line and check its placeholders; returns the argv with placeholders in place.
-
-    >>> parse_template('scontrol update NodeName={host_name} Reason="SDC {alertname}"')
-    ['scontrol', 'update', 'NodeName={host_name}', 'Reason=SDC {alertname}']
-    """
-    try:
-        argv = shlex.split(template)
-    except ValueError as e:
-        raise TemplateError(f"{option} does not parse like a shell line: {e}") from None
-    if not argv:
-        raise TemplateError(f"{option} is empty")
-    unknown = sorted({m for arg in argv for m in _BRACES.findall(arg) if m not in PLACEHOLDERS})
-    if unknown:
-        raise TemplateError(f"{option} has unknown placeholder(s) {', '.join('{' + u + '}' for u in unknown)}; "
-                            f"known: {', '.join('{' + p + '}' for p in PLACEHOLDERS)}")
-    if not any(_KNOWN.search(arg) for arg in argv):
-        raise TemplateError(f"{option} has no placeholder: it must name the host, e.g. {{host_name}} "
-                            f"(known: {', '.join('{' + p + '}' for p in PLACEHOLDERS)})")
-    if _KNOWN.search(argv[0]):
-        raise TemplateError(f"{option}: the program {argv[0]!r} may not contain a placeholder (an alert label "
-                            f"would choose what runs)")
-    return argv
-
-
-def render(argv: Sequence[str], values: Mapping[str, str]) -> list[str]:
-    """Replace the placeholders inside each argument with ``values`` in one pass (values are never re-scanned)."""
-    return [_KNOWN.sub(lambda m: values[m.group(1)], arg) for arg in argv]
-
-
-def parse_listen(listen: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[::1]:9095`` for IPv6) -> (host, port); ValueError naming the problem."""
-    host, sep, port_text = listen.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"--listen must be HOST:PORT, got {listen!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ValueError(f"--listen port must be an integer in 0..65535, got {port_text!r}")
-    return host, int(port_text)
-
-
-def parse_duration(text: str, option: str = "duration") -> float:
-    """``2s``, ``10m``, ``24h``, ``90d``, ``1w``, ``500ms`` or plain seconds -> seconds (> 0); ValueError otherwise.
-
-    >>> parse_duration("24h"), parse_duration("90d"), parse_duration("30")
-    (86400.0, 7776000.0, 30.0)
-    """
-    m = _DURATION_RE.fullmatch(str(text).strip())
-    if not m:
-        raise ValueError(f"{option} must be a duration like 2s, 10m, 24h or 90d, got {text!r}")
-    seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
-    if not seconds > 0:
-        raise ValueError(f"{option} must be longer than zero, got {text!r}")
-    return seconds
-
-
-def validate_labels(labels: Mapping[str, str]) -> str | None:
-    """Why the labels substituted into a command are unusable, or None when ``host_name``, ``rank`` and ``hw_id``
-    are each one plain value (see the module docstring)."""
-    checks = (("host_name", _HOST_RE, "one host name of letters, digits, '-', '.', '_', not starting with '-'"),
-              ("rank", _RANK_RE, "digits"),
-              ("hw_id", _HW_ID_RE, "letters, digits, '-', ':', '.', '_', not starting with '-'"))
-    for name, pattern, want in checks:
-        value = labels.get(name)
-        if value is None:
-            return f"label {name} is missing"
-        if not pattern.fullmatch(value):
-            return f"label {name}={ascii(value)[:80]} is not {want}"
-    if labels["host_name"].lower() in _RESERVED_HOSTS:
-        return f"label host_name={labels['host_name']!r} is a scheduler keyword for many nodes, not one host"
-    return None
-
-
-def _safe(text: str) -> str:
-    """``text`` as printable ASCII (escapes for control characters, non-ASCII and lone surrogates): safe to log
-    and echo."""
-    return ascii(text)[1:-1]
-
-
-class _BadRequest(ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class _Page:
-    """One firing critical SDC alert for one host: the values substituted into the template, and the strike."""
-
-    host_name: str
-    rank: str
-    hw_id: str
-    alertname: str
-    job: str | None = None
-    step: int | None = None
-    check: str | None = None
-
-    def values(self) -> dict[str, str]:
-        return {"host_name": self.host_name, "rank": self.rank, "hw_id": self.hw_id, "alertname": self.alertname}
-
-
-@dataclass
-class _Triage:
-    pages: list[_Page]
-    rejected: list[tuple[str, str, str]]  # (host_name made safe, alertname, reason)
-    ignored: list[tuple[str, str]]        # (alertname made safe, reason)
-
-
-def _triage(body: Any) -> _Triage:
-    """Validate a webhook body (Alertmanager's JSON, version 4) and sort its alerts into pages (one per host),
-    rejected pages (bad labels) and ignored alerts. The whole body's shape is checked before anything runs, so a
-    half-malformed notification does nothing."""
-    if not isinstance(body, dict):
-        raise _BadRequest("body must be a JSON object")
-    if "status" in body and not isinstance(body["status"], str):
-        raise _BadRequest("'status' must be a string")
-    alerts = body.get("alerts")
-    if not isinstance(alerts, list):
-        raise _BadRequest("'alerts' must be a list")
-    for i, alert in enumerate(alerts):
-        if not isinstance(alert, dict):
-            raise _BadRequest(f"alerts[{i}] must be an object")
-        status, labels = alert.get("status"), alert.get("labels")
-        if status not in ("firing", "resolved"):
-            raise _BadRequest(f"alerts[{i}].status must be 'firing' or 'resolved'")
-        if not isinstance(labels, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                   for k, v in labels.items()):
-            raise _BadRequest(f"alerts[{i}].labels must be an object of strings")
-        if "annotations" in alert and not isinstance(alert["annotations"], dict):
-            raise _BadRequest(f"alerts[{i}].annotations must be an object")
-    out = _Triage([], [], [])
-    pages: dict[str, _Page] = {}
-    for alert in alerts:
-        labels = alert["labels"]
-        name = labels.get("alertname", "")
-        if alert["status"] != "firing":
-            continue
-        if labels.get("severity") != "critical":
-            out.ignored.append((_safe(name), "not_critical"))
-            continue
-        if name not in SDC_CRITICAL_ALERTS:
-            out.ignored.append((_safe(name), "foreign"))
-            continue
-        if labels.get("ambiguous") == "true":
-            out.ignored.append((name, "ambiguous"))
-            continue
-        host = labels.get("host_name", "")
-        reason = validate_labels(labels)
-        if reason is not None:
-            out.rejected.append((_safe(host), name, reason))
-            continue
-        annotations = alert.get("annotations") or {}
-        step_text = labels.get("step", annotations.get("step"))
-        step = int(step_text) if isinstance(step_text, str) and _RANK_RE.fullmatch(step_text) else None
-        pages.setdefault(host, _Page(host, labels["rank"], labels["hw_id"], name, job=labels.get("service_name"),
-                                     step=step, check=labels.get("check")))
-    out.pages = list(pages.values())
-    return out
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = LISTEN_BACKLOG
-    responder: Responder
-    tls: ssl.SSLContext | None = None
-
-    def get_request(self) -> tuple[socket.socket, Any]:
-        sock, addr = self.socket.accept()
-        if self.tls is not None:
-            # The handshake happens on the handler's thread at its first read, under the idle timeout, so a client
-            # that connects and says nothing holds no more than its own thread for that long.
-            sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-        return sock, addr
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        log.debug("sdc responder: connection from %s ended with an error", client_address, exc_info=True)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    protocol_version = "HTTP/1.1"
-
-    def setup(self) -> None:
-        # Seconds a connection may sit idle or mid-request (TLS handshake included) before it is closed.
-        self.request.settimeout(self.server.responder.idle_timeout_s)
-        super().setup()
-
-    def _reply(self, code: int, doc: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> None:
-        data = (json.dumps(doc, sort_keys=True) + "\n").encode()
-        self._send(code, data, "application/json", headers)
-
-    def _send(self, code: int, data: bytes, content_type: str, headers: Mapping[str, str] | None = None) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _path(self) -> str:
-        return self.path.split("?", 1)[0]
-
-    def do_GET(self) -> None:
-        path = self._path()
-        responder = self.server.responder
-        if path == "/healthz":
-            self._reply(200, responder.health())
-        elif path == "/metrics":
-            self._send(200, responder.metrics_text(), CONTENT_TYPE_LATEST)
-        elif path in ("/", "/alerts"):
-            self._reply(405, {"error": "POST Alertmanager notifications here"})
-        else:
-            self._reply(404, {"error": f"no such path {path!a}: POST /alerts, GET /healthz, GET /metrics"})
-
-    def _reject(self, code: int, reason: str, headers: Mapping[str, str] | None = None) -> None:
-        self.close_connection = True  # the body is not read
-        self.server.responder._rejected(code)
-        self._reply(code, {"error": reason}, headers)
-
-    def do_POST(self) -> None:
-        path = self._path()
-        responder = self.server.responder
-        if path not in ("/", "/alerts"):
-            self._reject(404, f"no such path {path!a}: POST /alerts, GET /healthz, GET /metrics")
-            return
-        if not responder._authorized(self.headers.get("Authorization")):
-            log.warning("sdc responder: 401 for a POST from %s without the right bearer token: nothing runs",
-                        self.client_address[0])
-            self._reject(401, "a valid 'Authorization: Bearer <token>' header is required",
-                         {"WWW-Authenticate": 'Bearer realm="sdc-telemetry respond"'})
-            return
-        length_text = self.headers.get("Content-Length")
-        if length_text is None or not length_text.isdigit():
-            self._reject(411 if length_text is None else 400, "a numeric Content-Length is required")
-            return
-        if int(length_text) > MAX_BODY_BYTES:
-            self._reject(413, f"body over {MAX_BODY_BYTES} bytes")
-            return
-        media = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
-        if media != "application/json":
-            self._reject(415, f"Content-Type must be application/json, got {media or '(none)'!a}")
-            return
-        try:
-            raw = self.rfile.read(int(length_text))
-        except OSError:  # the client sent less than it announced and went quiet
-            self.close_connection = True
-            return
-        try:
-            triage = _triage(json.loads(raw))
-        except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError and _BadRequest
-            reason = str(e) if isinstance(e, _BadRequest) else "body is not valid JSON"
-            log.warning("sdc responder: rejected a notification from %s: %s", self.client_address[0], reason)
-            responder._rejected(400)
-            self._reply(400, {"error": reason})
-            return
-        responder._count("notifications")
-        try:
-            outcome = responder.handle(triage)
-        except Exception as e:  # the server outlives any one notification
-            log.exception("sdc responder: internal error")
-            self._reply(500, {"error": f"internal error: {type(e).__name__}"})
-            return
-        self._reply(200, outcome)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("sdc responder http: " + format, *(ascii(a) if isinstance(a, str) else a for a in args))
-
-
-class _FleetCollector:
-    """``sdc_fleet_gpu_strikes{hw_id,host_name}``, read from the ledger at scrape time."""
-
-    def __init__(self, responder: Responder) -> None:
-        self._responder = responder
-
-    def collect(self) -> Iterator[Metric]:
-        g = GaugeMetricFamily(_STRIKES.name, _STRIKES.description, labels=list(_STRIKES.labels))
-        r = self._responder
-        try:
-            fleet = r.ledger.fleet(window_s=r.strike_window_s, now=r._clock())
-        except LedgerError as e:
-            log.error("sdc responder: cannot read the ledger for /metrics: %s", e)
-            r._ledger_errors.inc()
-            fleet = []
-        for gpu in fleet:
-            if gpu.strikes_in_window:
-                g.add_metric([gpu.hw_id, gpu.host_name], float(gpu.strikes_in_window))
-        yield g
 
 
 class Responder:
@@ -473,9 +173,9 @@ class Responder:
         self._init_metrics()
 
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        server_cls = type("_BoundServer", (_Server,), {"address_family": family})
+        server_cls = type("_BoundServer", (Server,), {"address_family": family})
         try:
-            self._server: _Server = server_cls((host, port), _Handler)
+            self._server: Server = server_cls((host, port), Handler)
         except OSError:
             if self._owns_ledger:
                 self.ledger.close()
@@ -494,37 +194,8 @@ class Responder:
                  max_actions_per_hour, self.reacquire_after_s, self.ledger.redacted_url)
 
     def _init_metrics(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        reg = self.registry
-        self._m_notifications = Counter("sdc_responder_notifications", "Well-formed notifications received.",
-                                        registry=reg)
-        self._m_actions = Counter("sdc_responder_actions", "Commands started (or logged in a dry run), by action: "
-                                  "command (the drain) or replace (a GPU's second strike).", ["action"], registry=reg)
-        self._m_failures = Counter("sdc_responder_failures", "Commands that did not succeed, by action.", ["action"],
-                                   registry=reg)
-        self._m_refusals = Counter("sdc_responder_refusals", "Alerts not acted on, by reason: cap (over the hourly "
-                                   "cap) or invalid_label (a label unfit for a command).", ["reason"], registry=reg)
-        self._m_ignored = Counter("sdc_responder_ignored_alerts", "Firing alerts this responder does not act on, by "
-                                  "reason: not_critical, foreign (not an SDC alert), ambiguous.", ["reason"],
-                                  registry=reg)
-        self._m_rejected = Counter("sdc_responder_rejected_requests", "HTTP requests refused, by status code.",
-                                   ["code"], registry=reg)
-        self._m_screens = Counter("sdc_responder_screens", "Screens run after an action, by result: pass, fail, "
-                                  "error.", ["result"], registry=reg)
-        self._ledger_errors = Counter("sdc_responder_ledger_errors", "Ledger reads or writes that failed.",
-                                      registry=reg)
-        for action in ("command", "replace"):
-            self._m_actions.labels(action)
-            self._m_failures.labels(action)
-        for reason in ("cap", "invalid_label"):
-            self._m_refusals.labels(reason)
-        for reason in ("not_critical", "foreign", "ambiguous"):
-            self._m_ignored.labels(reason)
-        for code in ("400", "401", "404", "411", "413", "415"):
-            self._m_rejected.labels(code)
-        for result in ("pass", "fail", "error"):
-            self._m_screens.labels(result)
-        reg.register(cast(Any, _FleetCollector(self)))
+        self._metrics = ResponderMetrics(lambda: self.ledger.fleet(window_s=self.strike_window_s, now=self._clock()))
+        self.registry = self._metrics.registry
 
     @property
     def url(self) -> str:
@@ -568,10 +239,10 @@ class Responder:
 
     def _rejected(self, code: int) -> None:
         self._count("unauthorized" if code == 401 else "rejected_bodies")
-        self._m_rejected.labels(str(code)).inc()
+        self._metrics.rejected.labels(str(code)).inc()
 
     def metrics_text(self) -> bytes:
-        return bytes(generate_latest(self.registry))
+        return self._metrics.text()
 
     def health(self) -> dict[str, Any]:
         """Counts for ``GET /healthz``: notifications (well-formed bodies received), actions (commands started, or
@@ -595,30 +266,30 @@ class Responder:
 
     # -- decisions ---------------------------------------------------------------------------------------------
 
-    def handle(self, triage: _Triage | Sequence[_Page]) -> dict[str, list[str]]:
+    def handle(self, triage: Triage | Sequence[Page]) -> dict[str, list[str]]:
         """Act on a triaged notification; returns the hosts acted on (and of them replaced), already acted on,
         refused (cap), failed, rejected (bad labels) and the alerts ignored."""
-        if not isinstance(triage, _Triage):
-            triage = _Triage(list(triage), [], [])
+        if not isinstance(triage, Triage):
+            triage = Triage(list(triage), [], [])
         outcome: dict[str, list[str]] = {"acted": [], "replaced": [], "already": [], "refused": [], "failed": [],
                                          "rejected": [], "ignored": []}
-        self._m_notifications.inc()
+        self._metrics.notifications.inc()
         for name, reason in triage.ignored:
-            self._m_ignored.labels(reason).inc()
+            self._metrics.ignored.labels(reason).inc()
             outcome["ignored"].append(name)
             log.info("sdc responder: ignored alert %s (%s)", name, reason)
         self._count("ignored_alerts", len(triage.ignored))
         for host, name, reason in triage.rejected:
             log.error("sdc responder: REFUSED alert %s for host %s: %s; nothing runs (no cap slot used)", name,
                       host, reason)
-            self._m_refusals.labels("invalid_label").inc()
+            self._metrics.refusals.labels("invalid_label").inc()
             self._count("rejected_hosts")
             outcome["rejected"].append(host)
         for page in triage.pages:
             self._act(page, outcome)
         return outcome
 
-    def _act(self, page: _Page, outcome: dict[str, list[str]]) -> None:
+    def _act(self, page: Page, outcome: dict[str, list[str]]) -> None:
         host = page.host_name
         with self._lock:
             now = self._clock()
@@ -629,7 +300,7 @@ class Responder:
             reason = self._refusal(now)
             if reason:
                 self._counts["refusals"] += 1
-                self._m_refusals.labels("cap").inc()
+                self._metrics.refusals.labels("cap").inc()
                 self.refused = [*self.refused[-19:], {"host_name": host, "alertname": page.alertname, "at": now,
                                                       "reason": reason}]
                 log.error("sdc responder: REFUSED to act on host %r (%s, rank %s, %s): %s. Act by hand after "
@@ -645,7 +316,7 @@ class Responder:
                 self._counts["actions"] += 1
                 if action == "replace":
                     self._counts["replacements"] += 1
-            self._m_actions.labels(action).inc()
+            self._metrics.actions.labels(action).inc()
             ok = self._run(argv, page, action)
             if ok and not self.dry_run:
                 try:
@@ -653,7 +324,7 @@ class Responder:
                                            check=page.check, alertname=page.alertname, at=self._clock())
                 except LedgerError as e:
                     log.error("sdc responder: could not record the strike for %s on %s: %s", page.hw_id, host, e)
-                    self._ledger_errors.inc()
+                    self._metrics.ledger_errors.inc()
                     self._count("ledger_errors")
         finally:
             with self._lock:
@@ -666,21 +337,21 @@ class Responder:
                 self._counts["failures"] += 1
             self._save_state()
         if not ok:
-            self._m_failures.labels(action).inc()
+            self._metrics.failures.labels(action).inc()
         outcome["acted" if ok else "failed"].append(host)
         if ok and action == "replace":
             outcome["replaced"].append(host)
         if ok and self.screen_argv is not None:
             self._start_screen(page)
 
-    def _choose(self, page: _Page, now: float) -> tuple[str, list[str]]:
+    def _choose(self, page: Page, now: float) -> tuple[str, list[str]]:
         """``("replace", argv)`` when the GPU already has a strike within the window and a replace command is set,
         else ``("command", argv)``."""
         try:
             prior = self.ledger.count_strikes(page.hw_id, since=now - self.strike_window_s)
         except LedgerError as e:  # drain anyway: the safe action does not depend on the ledger
             log.error("sdc responder: cannot read the strikes of %s: %s; running the drain command", page.hw_id, e)
-            self._ledger_errors.inc()
+            self._metrics.ledger_errors.inc()
             self._count("ledger_errors")
             prior = 0
         if prior >= 1:
@@ -701,10 +372,10 @@ class Responder:
                     f"(pages for many hosts at once are more likely a software fault than broken hardware)")
         return None
 
-    def _run(self, argv: list[str], page: _Page, action: str, timeout_s: float | None = None) -> bool:
+    def _run(self, argv: list[str], page: Page, action: str, timeout_s: float | None = None) -> bool:
         return self._exec(argv, page, action, timeout_s)[0] == 0
 
-    def _exec(self, argv: list[str], page: _Page, action: str, timeout_s: float | None = None) -> tuple[int, str]:
+    def _exec(self, argv: list[str], page: Page, action: str, timeout_s: float | None = None) -> tuple[int, str]:
         """Run argv; (exit code, or -1 when it could not run or timed out; a short account)."""
         if self.dry_run:
             log.warning("sdc responder: DRY RUN for host %r (%s, %s): would run %s", page.host_name, page.alertname,
@@ -728,14 +399,14 @@ class Responder:
                 out or "(empty)", err or "(empty)")
         return proc.returncode, out[-200:]
 
-    def _start_screen(self, page: _Page) -> None:
+    def _start_screen(self, page: Page) -> None:
         assert self.screen_argv is not None
         argv = render(self.screen_argv, page.values())
 
         def screen() -> None:
             rc, _ = self._exec(argv, page, "screen", self.screen_timeout_s)
             result = "pass" if rc == 0 else "fail" if rc == 1 else "error"
-            self._m_screens.labels(result).inc()
+            self._metrics.screens.labels(result).inc()
             if result == "pass":
                 self._count("screens_passed")
             else:
@@ -754,40 +425,14 @@ class Responder:
     def _load_state(self) -> None:
         if self._state_file is None or not self._state_file.exists():
             return
-        try:
-            doc = json.loads(self._state_file.read_text())
-            hosts, actions = doc["hosts"], doc["actions"]
-            if not isinstance(hosts, dict) or not isinstance(actions, list) \
-                    or not all(isinstance(t, (int, float)) for t in actions) \
-                    or not all(isinstance(v, dict) and isinstance(v.get("at"), (int, float)) for v in hosts.values()):
-                raise TypeError("'hosts' must map host names to {'at': time, ...} and 'actions' be a list of times")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"--state file {self._state_file} is unreadable or malformed: {e}") from None
-        self._acted = {str(h): v for h, v in hosts.items()}
-        self._window.extend(sorted(float(t) for t in actions))
+        self._acted, actions = read_state(self._state_file)
+        self._window.extend(actions)
 
     def _save_state(self) -> None:
-        """Write the state file durably: a temp file, fsync, atomic rename, fsync of the directory."""
+        """Write the state file durably (see :func:`~sdc_telemetry.ops.respond_state.write_state`)."""
         if self._state_file is None:
             return
         now = self._clock()
         keep = max(self.reacquire_after_s, WINDOW_S)
         self._acted = {h: rec for h, rec in self._acted.items() if now - rec["at"] < keep}
-        doc = {"hosts": self._acted, "actions": [t for t in self._window if now - t < WINDOW_S]}
-        path = self._state_file
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(doc, indent=1, sort_keys=True))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            dir_fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-        except OSError as e:  # the process memory still holds the state; losing the file is not worth a crash
-            log.error("sdc responder: could not write --state file %s: %s", path, e)
+        write_state(self._state_file, self._acted, [t for t in self._window if now - t < WINDOW_S])
