@@ -80,15 +80,30 @@ def test_overhead_quick_reports_every_configuration(bench, tmp_path, capsys):
     assert {"weights_met", "replay_met", "weights_ratio"} <= set(data["targets"])
 
 
+def _campaign_shape(campaign: ModuleType, data: dict) -> None:
+    """What every campaign payload carries, whatever the layout or mode."""
+    assert set(data["data_faults"]) == set(campaign.DATA_KINDS)
+    assert [m["magnitude"] for m in data["magnitudes"]] == list(campaign.MAGNITUDES)
+    assert all(m["injected"] >= 1 and 0 <= m["right"] <= m["detected"] <= m["injected"] for m in data["magnitudes"])
+    assert set(data["false_triggers_per_10000"]) == {"audits", "incidents"}
+    assert data["armed_rank_steps"] > 0  # healthy steps past the triggers' warm-up exist
+    cost = data["trigger_cost"]
+    assert "error" not in cost, cost
+    assert cost["steps"] > 0 and cost["ratio_q1"] <= cost["ratio_median"] <= cost["ratio_q3"]
+    assert cost["step_ms_on"] > 0 and cost["step_ms_off"] > 0 and cost["cpu_ratio_of_means"] > 0
+
+
 def test_campaign_quick_scores_every_fault_kind(bench, tmp_path, capsys):
-    """campaign.py --quick injects one fault of each kind plus a healthy run and scores them without harness errors."""
+    """campaign.py --quick injects one fault of each kind plus a healthy run and scores them without harness errors,
+    with the per-magnitude, data-fault, false-trigger and trigger-cost tables."""
     campaign = bench("campaign")
     campaign.main(["--quick", "--out-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "Fault-injection campaign" in out and "False incidents" in out and "GradScaler" in out
-    assert out.count("target:") == 1
+    assert "per magnitude" in out and "Data faults" in out and "False triggers" in out
+    assert out.count("target:") == 2
     data = _result(tmp_path, "campaign")
-    assert data["errors"] == []
+    assert data["errors"] == [] and data["mode"] == "exact" and data["noise"] == 0.0
     assert {t["kind"] for t in data["plan"]} == set(campaign.KINDS)
     assert set(data["by_scaler"]) == {"no scaler", "with GradScaler"}
     assert data["nan_every_rank"]["trials"] == 1
@@ -99,9 +114,29 @@ def test_campaign_quick_scores_every_fault_kind(bench, tmp_path, capsys):
         assert set(r["by_check"]) == set(r["first_by_check"]) == set(campaign.CHECKS)
         assert 0 <= r["detected"] <= r["injected"]
         assert r["right"] + r["ambiguous"] <= r["detected"]
+        assert 0 <= r["triggered"] <= r["injected"] and 0 <= r["named"] <= r["injected"]
     assert data["healthy_rank_steps"] > 0
     assert set(data["false_incidents_per_1000_rank_steps"]) == set(campaign.CHECKS)
     assert set(data["false_incidents_per_1000_upper95"]) == set(campaign.CHECKS)
+    assert set(data["false_incidents_per_10000"]) == set(campaign.CHECKS)
+    _campaign_shape(campaign, data)
+
+
+def test_campaign_tolerance_mode_runs_under_emulated_gpu_numerics(bench, tmp_path, capsys):
+    """campaign.run(mode="tolerance", kernel_deviation=True) trains under the GPU-behaviour harness (noise 1e-6 on
+    every rank, one rank 1e-5 off) and writes campaign_tolerance.json saying so; --kernel-deviation needs it."""
+    campaign = bench("campaign")
+    data = campaign.run(trials=2, steps=5, replay_every=2, trigger_steps=12, cost_steps=0, per_spawn=2,
+                        mode="tolerance", kernel_deviation=True, out_dir=tmp_path)
+    out = capsys.readouterr().out
+    assert "tolerance mode, one rank's kernels deviating by 1e-05" in out and "cost_steps=0: not measured" in out
+    written = _result(tmp_path, "campaign_tolerance")
+    assert written["errors"] == [] and written["mode"] == data["mode"] == "tolerance"
+    assert (written["noise"], written["kernel_deviation"]) == (1e-6, 1e-5)
+    assert sorted(t["kind"] for t in written["plan"]) == ["healthy", "weight_bitflip"]
+    assert sum(r["injected"] for r in written["rows"]) == 1 and written["healthy_rank_steps"] > 0
+    with pytest.raises(ValueError, match="tolerance"):
+        campaign.run(trials=1, mode="exact", kernel_deviation=True, quiet=True, out_dir=tmp_path)
 
 
 def test_campaign_hsdp_quick_scores_every_hsdp_kind(bench, tmp_path, capsys):
@@ -121,7 +156,8 @@ def test_campaign_hsdp_quick_scores_every_hsdp_kind(bench, tmp_path, capsys):
     assert {r["kind"] for r in data["rows"]} == set(campaign.HSDP_KINDS) - {"healthy"}
     assert all(0 <= r["right"] + r["ambiguous"] <= r["detected"] <= r["injected"] for r in data["rows"])
     assert data["healthy_rank_steps"] > 0 and data["nan_every_rank"]["trials"] == 1
-    assert {"trials_without_scaler", "named_by_grad_local"} <= set(data["nan_one_rank"])
+    assert data["data_faults"][campaign.NAN_ONE]["trials"] == 1
+    _campaign_shape(campaign, data)
 
 
 def test_campaign_hsdp_plan_draws_in_the_local_shard(bench):
@@ -159,7 +195,25 @@ def test_campaign_plan_is_seeded_and_stratified(bench):
     assert a != campaign.plan(n, seed=4, world=3, steps=10)
     kinds = [t["kind"] for t in a]
     assert all(kinds.count(k) == 3 for k in campaign.KINDS)
-    assert all(t["step"] is None or 0 <= t["step"] <= 6 for t in a)
+    short = [t for t in a if t["kind"] not in campaign.LONG_KINDS]
+    assert all(t["steps"] == 10 and (t["step"] is None or 0 <= t["step"] <= 6) for t in short)
+
+
+def test_campaign_plan_puts_trigger_faults_off_the_schedule_after_the_warm_up(bench):
+    """Transient faults x2..x16 (relative m - 1) and heavy batches hit a step of a 16-step trial after the 10-step
+    warm-up that replay_every does not audit; healthy runs last 16 steps; a trial too short for that is refused."""
+    campaign = bench("campaign")
+    a = campaign.plan(2 * len(campaign.KINDS), seed=1, world=3, steps=10, replay_every=3, trigger_steps=16)
+    late = [t for t in a if t["kind"] in (campaign.HEAVY, *campaign.TRANSIENT_KINDS)]
+    assert len(late) == 2 * 5
+    for t in late:
+        assert t["steps"] == 16 and 10 <= t["step"] < 16 and t["step"] % 3, t
+        if t["kind"] != campaign.HEAVY:
+            assert t["relative"] == int(t["kind"].removeprefix("transient_x")) - 1 and "module" in t
+    assert all(t["steps"] == 16 and t["step"] is None for t in a if t["kind"] == "healthy")
+    assert all(t["model"] == "mlp" for t in a if t["kind"] in campaign.DATA_KINDS)
+    with pytest.raises(ValueError, match="warm-up"):
+        campaign.plan(4, seed=1, world=3, steps=10, trigger_steps=10)
 
 
 def test_campaign_plan_scaler_row_swaps_and_nan_runs(bench):
