@@ -22,6 +22,13 @@ What each fault does and when:
 - ``corrupt_reduced_grad``: after the all-reduce of step ``step``, overwrite element ``index`` of the first bucket on
   ``rank`` with ``value`` (default NaN): corruption on the communication path. Needs ``comm_hook`` passed to
   the monitor (or registered on the DDP model when no monitor runs).
+- ``corrupt_reduction``: inside the all-reduce of step ``step`` (after every rank's bucket went in, before the sum
+  comes out), set element ``index`` of bucket ``bucket`` to ``value``, multiply it by ``factor`` or add ``delta``,
+  identically on every rank: a fault in the reduction itself (a wrong partial sum that the all-gather spreads), so
+  the replicas still agree. Needs ``comm_hook`` like ``corrupt_reduced_grad``.
+
+``comm_hook`` reduces as DDP does (``sdc_telemetry.parallel.ddp.allreduce_as_ddp``, over the process group passed
+as its state or else the DDP model's), so that the monitor's reduce-phase checksum travels with it.
 """
 
 from __future__ import annotations
@@ -70,6 +77,8 @@ class FaultInjector:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.fired: list[str] = []
         self._reduced: list[tuple[int, int, float]] = []
+        self._in_reduction: list[tuple[int, int, int, str, float]] = []  # step, bucket, index, how, operand
+        self._scaling: dict[int, Any] = {}  # id(group) -> the DDPScaling state of the reduction
         self._handles = [optimizer.register_step_post_hook(self._advance)]
 
     def _advance(self, *_: Any) -> None:
@@ -139,6 +148,27 @@ class FaultInjector:
 
         self._handles.append(target.register_hook(hook))  # type: ignore[no-untyped-call]
 
+    def flip_grad_bit(self, *, rank: int, step: int, param: str | None = None, index: int = 0, bit: int = 31
+                      ) -> None:
+        """Flip one bit of one element of ``param``'s local gradient on ``rank`` at ``step`` (every backward of that
+        step on that rank): bit 31 of a float32 is the sign, bits 0-22 the mantissa (22 its most significant)."""
+        target = self._param(param)
+        width = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16, torch.float64: 64}.get(target.dtype)
+        if width is None or not 0 <= bit < width:
+            raise ValueError(f"bit must be in 0..{(width or 32) - 1} for {target.dtype}, got {bit}")
+        as_int = {32: torch.int32, 16: torch.int16, 64: torch.int64}[width]
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            if self.rank != rank or self.step != step:
+                return grad
+            out = grad.clone()
+            flat = out.view(-1).view(as_int)
+            flat[index] ^= torch.tensor(1 << bit if bit < width - 1 else -(1 << bit), dtype=as_int)
+            self.fired.append(f"bit {bit} of element {index} of {param}'s gradient flipped at step {step}")
+            return out
+
+        self._handles.append(target.register_hook(hook))  # type: ignore[no-untyped-call]
+
     def perturb_output(self, *, rank: int, step: int, module: str, relative: float = 1e-3,
                        steps: int | None = None, transient: bool = False) -> None:
         target = self._submodule(module)
@@ -161,19 +191,51 @@ class FaultInjector:
         self._reduced.append((rank, step, value))
         self._reduced_index = index
 
-    def comm_hook(self, state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-        """A DDP comm hook: the default averaging all-reduce, then the planned reduced-gradient corruption."""
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    def corrupt_reduction(self, *, step: int, index: int = 0, bucket: int = 0, value: float | None = None,
+                          factor: float | None = None, delta: float | None = None) -> None:
+        given = [(how, x) for how, x in (("value", value), ("factor", factor), ("delta", delta)) if x is not None]
+        if len(given) != 1:
+            raise ValueError("corrupt_reduction needs exactly one of value= (set), factor= (multiply) or delta= (add), "
+                             f"got {[how for how, _ in given] or 'none'}")
+        if index < 0 or bucket < 0:
+            raise ValueError(f"index and bucket must be >= 0, got index={index} bucket={bucket}")
+        self._in_reduction.append((step, bucket, index, given[0][0], float(given[0][1])))
 
-        fut = default_hooks.allreduce_hook(state, bucket)
-        hits = [v for r, s, v in self._reduced if r == self.rank and s == self.step] if bucket.index() == 0 else []
-        if not hits:
+    def comm_hook(self, state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        """A DDP comm hook: DDP's averaging all-reduce, then the planned corruptions of its result (on one rank for
+        ``corrupt_reduced_grad``, on every rank for ``corrupt_reduction``). ``state``: a process group, or None for
+        the DDP model's."""
+        from sdc_telemetry.parallel.ddp import DDPScaling, allreduce_as_ddp
+
+        group = state if isinstance(state, dist.ProcessGroup) else getattr(self.model, "process_group", None)
+        if group is None:
+            group = dist.distributed_c10d._get_default_group()
+        scaling = self._scaling.get(id(group))
+        if scaling is None:
+            scaling = self._scaling[id(group)] = DDPScaling(group)
+        fut = allreduce_as_ddp(scaling, bucket)
+        step, index = self.step, bucket.index()
+        hits = [v for r, s, v in self._reduced if r == self.rank and s == step] if index == 0 else []
+        inside = [(i, how, x) for s, b, i, how, x in self._in_reduction if s == step and b == index]
+        if not hits and not inside:
             return fut
 
         def corrupt(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
             t = f.value()
-            t.view(-1)[self._reduced_index] = hits[0]
-            self.fired.append(f"reduced gradient corrupted at step {self.step}")
+            flat = t.view(-1)
+            for i, how, x in inside:
+                if i >= flat.numel():
+                    raise ValueError(f"corrupt_reduction: index {i} is past bucket {index} ({flat.numel()} elements)")
+                if how == "value":
+                    flat[i] = x
+                elif how == "factor":
+                    flat[i] *= x
+                else:
+                    flat[i] += x
+                self.fired.append(f"reduction of bucket {index} corrupted ({how} {x} at {i}) at step {step}")
+            if hits:
+                flat[self._reduced_index] = hits[0]
+                self.fired.append(f"reduced gradient corrupted at step {step}")
             return t
 
         return fut.then(corrupt)

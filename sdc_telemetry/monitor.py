@@ -40,6 +40,7 @@ from sdc_telemetry.core.collective import Agreement
 from sdc_telemetry.core.config import SDCConfig
 from sdc_telemetry.core.episodes import Episodes
 from sdc_telemetry.core.findings import Finding
+from sdc_telemetry.core.fingerprint import fingerprint
 from sdc_telemetry.core.identity import RankIdentity, numerics_signature
 from sdc_telemetry.core.incident import Incident, SDCDetected, root_cause
 from sdc_telemetry.core.setup import agree_setup
@@ -246,16 +247,25 @@ class SDCMonitor:
         others = [i for i in self._episodes.open_hardware() if i.check != "weights"]
         if others:  # the same on every rank: episodes are decided from agreed data
             raise SDCDetected(others[0])
-        named = list(self.layout.whole(list(self.module.named_parameters())))
+        named = list(self.module.named_parameters())
         if incident is None or self._weights is None:
-            return self._certified(WeightCertificate.from_tensors(step, named, world_size=self._world))
-        majority = self._weights.majority
-        if majority is None or self.layout.shard_of is not None:  # no majority of whole tensors to certify
-            raise SDCDetected(incident)
+            rows = self._whole_fingerprints(named)
+        else:
+            majority = self._weights.majority
+            if majority is None or self.layout.shard_of is not None:  # no majority of whole tensors to certify
+                raise SDCDetected(incident)
+            rows = [format_fingerprint(row) for row in majority]
         return self._certified(WeightCertificate(
-            step=step, fingerprints={n: format_fingerprint(row) for (n, _), row in zip(named, majority, strict=True)},
+            step=step, fingerprints={n: row for (n, _), row in zip(named, rows, strict=True)},
             shapes={n: tuple(p.shape) for n, p in named},
             dtypes={n: str(p.dtype).removeprefix("torch.") for n, p in named}, world_size=self._world))
+
+    def _whole_fingerprints(self, named: list[tuple[str, torch.nn.Parameter]]) -> list[str]:
+        """Each parameter's fingerprint as a whole tensor, streamed: a sharded layout gathers one tensor at a time
+        (collective) and drops it once fingerprinted, so at most one unsharded parameter is held; one host copy."""
+        rows = [fingerprint([whole]) for _, whole in self.layout.whole(named)]
+        host = torch.cat([r.to(self.device) for r in rows]).cpu().tolist() if rows else []
+        return [format_fingerprint(row) for row in host]
 
     def _certified(self, cert: WeightCertificate) -> WeightCertificate:
         """The certificate with the last passing audit and the module's buffer names (not fingerprinted, so that a
@@ -381,7 +391,8 @@ class SDCMonitor:
         host[S.SCALER] = int(self._scaler_used)
         nonfinite = torch.zeros(2, dtype=torch.int64, device=self.device)
         digest = torch.zeros(1, dtype=torch.int64, device=self.device)
-        norms = torch.full((3,), math.nan, dtype=torch.float64, device=self.device)  # local, reduced, loss
+        # local, reduced, loss, reduction checksum flag
+        norms = torch.full((4,), math.nan, dtype=torch.float64, device=self.device)
         on_device: dict[int, torch.Tensor] = {}
         record, layout = self._record, self.layout
         reduced_s = 0.0
@@ -404,6 +415,10 @@ class SDCMonitor:
                     t = time.perf_counter()
                     reduced_norm = torch.linalg.vector_norm(grad_check.reduced_norms(self._params, self.device,
                                                                                      view=layout.local))
+                    mismatch = layout.reduction_mismatch()  # the reduce-phase checksum (on the device), or None
+                    if mismatch is not None:
+                        on_device[S.REDUCED_CHECKSUM] = mismatch
+                        norms[3] = mismatch
                     reduced_s = time.perf_counter() - t
                     host[S.REDUCED_MEASURED] = int(any(p.grad is not None for p in self._params))
                     nonfinite[1] = ~torch.isfinite(reduced_norm)
@@ -461,7 +476,7 @@ class SDCMonitor:
             return
         if self.config.grad_checks:
             local = m.agreement.local()
-            finding = self.sinks.guard("grad", self._grad.verdict, high, low, m.mine, (local[0], local[1]),
+            finding = self.sinks.guard("grad", self._grad.verdict, high, low, m.mine, (local[0], local[1], local[3]),
                                        m.norms, S.GRAD_FIELDS, bool(high[S.SCALER]))
             if self._triggers(m, high, low):
                 finding = self._triggered_audit(m, finding)
@@ -598,7 +613,7 @@ class SDCMonitor:
         elif not low[S.LOCAL_MEASURED] or high[S.ERROR]:
             reason = "local gradients were not measured on every rank"
         finding, result, measured = self._replay.audit(
-            reason, lambda: (int(self._record.total_fp().item()), self._record.norms),
+            reason, lambda: (int(self._record.total_fp().item()), self._record.norms, self._record.sketch),
             lambda key, text: self._warn_once(key, "sdc_telemetry: step %d: %s", step, text),
             lambda: self._internal_error("replay", "reading the recorded gradients failed"))
         deltas = ReplayDeltas(measured.loss_delta, measured.grad_delta, measured.mismatch) if measured else None
@@ -672,7 +687,9 @@ class SDCMonitor:
         checks = [*(("grad_local", "grad_reduced" if self.layout.reduces else "") if self.config.grad_checks else ()),
                   *((f"weights every {self.config.weights_every}",) if self._weights and self.config.weights_every
                     else ()),
-                  *((f"replay every {self.config.replay_every} ({self.mode})",) if self._replay else ())]
+                  *((f"replay every {self.config.replay_every} ({self.mode})",)
+                    if self._replay is not None and self.config.replay_every else ()),
+                  *(("triggered audits",) if self._outliers is not None else ())]
         text = (f"sdc_telemetry: monitoring {self._world} rank(s) on {hosts} host(s) from step {self._next_step} "
                 f"({self.layout.name}): {', '.join(c for c in checks if c) or 'no checks'}; "
                 f"on_suspect={self.config.on_suspect}")

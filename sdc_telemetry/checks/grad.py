@@ -24,9 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
+from sdc_telemetry.checks.sketch import sketch
 from sdc_telemetry.core.evidence import bits, json_float, top, unbits
 from sdc_telemetry.core.findings import Finding
 from sdc_telemetry.core.fingerprint import digest, fingerprint
+from sdc_telemetry.core.status import REDUCED_CHECKSUM
 
 __all__ = ["GradCheck", "GradRecord", "reduced_norms", "decide", "GradStatus", "SCALER_PATIENCE",
            "nonfinite_minority"]
@@ -41,6 +43,7 @@ class GradRecord:
         self._device = device
         self.norms = torch.zeros(len(params), dtype=torch.float32, device=device)
         self.fp: torch.Tensor | None = None  # (P, C) on audit steps
+        self.sketch: torch.Tensor | None = None  # (P, sketch.WIDTH) on audit steps (tolerance mode's input)
         self.buckets = 0
         self.failed = False
         self.repeated = False
@@ -52,6 +55,7 @@ class GradRecord:
         self.elapsed = 0.0
         self.norms.zero_()
         self.fp = None
+        self.sketch = None
         self.buckets = 0
         self.failed = False
         self.repeated = False
@@ -101,6 +105,11 @@ class GradRecord:
             if self.fp is None:
                 self.fp = torch.zeros((len(self._params), fps.shape[1]), dtype=torch.int64, device=self._device)
             self.fp.index_copy_(0, idx, fps)
+            rows = sketch(fp_grads if fp_grads is not None else grads).to(self._device)
+            if self.sketch is None:
+                self.sketch = torch.zeros((len(self._params), rows.shape[1]), dtype=torch.float64,
+                                          device=self._device)
+            self.sketch.index_copy_(0, idx, rows)
 
     def total_norm(self) -> torch.Tensor:
         norm: torch.Tensor = torch.linalg.vector_norm(self.norms)
@@ -150,6 +159,7 @@ class GradStatus:
     reduced_nonfinite: bool
     local_norm: float = math.nan
     reduced_norm: float = math.nan
+    reduced_mismatch: bool = False  # the reduction's checksum: reduced gradients are not the sum of local ones
 
 
 # With a GradScaler, the same minority of ranks non-finite at this many consecutive steps is not an overflow: the
@@ -180,6 +190,11 @@ def decide(rows: Sequence[GradStatus], *, overflow_expected: bool = False, repea
     - ``shard_of`` (FSDP2: each position's shard index): reduced gradients are shards, so they are compared only
       among the replicas of the same shard; a shard non-finite on all its replicas (and any shard of a 1-D mesh) is
       numerics (an overflow in the reduction), not a receiver's fault.
+    - Every local gradient finite and the reduction's checksum off (``reduced_mismatch``: the reduced gradients are
+      not the sum of the local ones, finite or NaN; a sum that may legitimately overflow is not flagged):
+      ``grad_reduced``, verdict ``communication``, ``evidence["reduce_phase"]``. Off on every rank alike, the fault
+      happened inside the reduction and reached every rank: every rank is a suspect and the verdict is ambiguous
+      (it cannot say which link or GPU); off on some ranks only, those receivers are named.
     """
     measured = [s for s in rows if s.local_measured]
     local_bad = [s for s in measured if s.local_nonfinite]
@@ -205,9 +220,22 @@ def decide(rows: Sequence[GradStatus], *, overflow_expected: bool = False, repea
         })
     reduced = [s for s in rows if s.reduced_measured]
     reduced_bad = [s for s in reduced if s.reduced_nonfinite]
+    all_measured = len(measured) == len(rows)
+    mismatched = [s for s in rows if s.reduced_mismatch]
+    if mismatched:
+        every = len(mismatched) == len(rows)
+        named = rows if every else mismatched
+        return Finding("grad_reduced", tuple(s.rank for s in named), {
+            "verdict": "communication", "reduce_phase": True, "ambiguous": every,
+            "local_gradients_finite": all_measured, "checksum_mismatch_ranks": len(mismatched),
+            "nonfinite_ranks": len(reduced_bad), "ranks": len(rows),
+            "reason": "the reduced gradients are not the sum of the ranks' local gradients (reduction checksum): "
+                      + ("the same on every rank, the fault is inside the reduction (which link or GPU is unknown)"
+                         if every else "on these ranks only, corrupted on the way to them"),
+            "reduced_grad_norm": top({str(s.rank): json_float(s.reduced_norm) for s in named}),
+        })
     if not reduced_bad:
         return None
-    all_measured = len(measured) == len(rows)
     if shard_of is not None:
         replicas: dict[int, list[GradStatus]] = {}
         for shard, st in zip(shard_of, rows, strict=True):
@@ -249,23 +277,30 @@ class GradCheck:
         self._gather_objects = gather_objects
         self._minority: tuple[tuple[int, ...], int] = ((), 0)  # ranks non-finite alone, and for how many steps
 
-    def verdict(self, high: Sequence[int], low: Sequence[int], mine: Sequence[int], local: tuple[float, float],
-                norms: torch.Tensor, fields: tuple[int, int, int, int], scaler: bool) -> Finding | None:
+    def verdict(self, high: Sequence[int], low: Sequence[int], mine: Sequence[int], local: tuple[float, ...],
+                norms: torch.Tensor, fields: tuple[int, int, int, int], scaler: bool,
+                checksum: int | None = REDUCED_CHECKSUM) -> Finding | None:
         """``fields``: the status-vector indices of (local measured, local non-finite, reduced measured, reduced
-        non-finite); ``local``: this rank's (local, reduced) norms; ``norms``: its per-parameter local norms."""
+        non-finite); ``checksum``: that of the reduction's checksum flag (None: not used); ``local``: this rank's
+        (local, reduced) norms and, third, its checksum flag (1.0 when off); ``norms``: its per-parameter local
+        norms."""
         lm, ln, _, rn = fields
-        if not (high[ln] or high[rn]):
+        rc = checksum if checksum is not None and checksum < len(high) else None
+        if not (high[ln] or high[rn] or (rc is not None and high[rc])):
             self._minority = ((), 0)
             return None
-        if all(high[f] == low[f] for f in fields):  # every rank alike: no per-rank detail needed
-            rows = [GradStatus(r, *(bool(high[f]) for f in fields)) for r in self._ranks]
+        if all(high[f] == low[f] for f in (*fields, *(() if rc is None else (rc,)))):  # every rank alike
+            lm_, ln_, rm_, rn_ = (bool(high[f]) for f in fields)
+            off = rc is not None and bool(high[rc])
+            rows = [GradStatus(r, lm_, ln_, rm_, rn_, reduced_mismatch=off) for r in self._ranks]
         else:  # rare path: who?
-            row = torch.tensor([mine[lm], bits(local[0]), bits(local[1])], dtype=torch.int64)
+            flag = int(len(local) > 2 and local[2] == 1.0)
+            row = torch.tensor([mine[lm], bits(local[0]), bits(local[1]), flag], dtype=torch.int64)
             rows = []
             for r, g in zip(self._ranks, self._gather(row), strict=True):
                 loc, red = unbits(g[1]), unbits(g[2])
                 rows.append(GradStatus(r, bool(g[0]), bool(g[0]) and not math.isfinite(loc), self.reduces,
-                                       self.reduces and not math.isfinite(red), loc, red))
+                                       self.reduces and not math.isfinite(red), loc, red, bool(g[3])))
         minority = nonfinite_minority(rows)
         repeats = self._minority[1] if minority and minority == self._minority[0] else 0
         self._minority = (minority, repeats + 1 if minority else 0)

@@ -28,6 +28,8 @@ import torch.distributed as dist
 
 from sdc_telemetry.checks.pairing import Outcome, attribute, plan_pairs
 from sdc_telemetry.checks.shipping import MicroBatch, check_shippable, exchange
+from sdc_telemetry.checks.sketch import WIDTH, sketch
+from sdc_telemetry.checks.sketch import delta as sketch_delta
 from sdc_telemetry.core.collective import agree, collective_device, gather_rows, sum_counts
 from sdc_telemetry.core.evidence import MAX_ITEMS, bits, json_float, unbits
 from sdc_telemetry.core.findings import Finding
@@ -45,6 +47,8 @@ _CALIBRATE_EVERY = 10  # audits between noise-floor recalibrations in tolerance=
 _AUTO_FLOOR = 1e-5     # relative tolerance when reruns are bitwise identical
 _AUTO_FACTOR = 10.0    # threshold = factor x the rerun noise floor
 _CALIBRATION_WINDOW = 5  # calibrations the noise floor is taken over
+_CROSS_FACTOR = 3.0    # threshold = factor x the largest healthy cross-rank delta (kernels that differ by rank)
+_AUTO_CAP = 0.05       # a calibrated threshold never rises above this
 
 
 def scaled(loss: torch.Tensor, scale: float, grad_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,6 +68,7 @@ class _Result:
     losses: list[float]
     fp: int
     norms: torch.Tensor
+    sketch: torch.Tensor | None = None  # tolerance mode: per-parameter block sketches (checks/sketch.py)
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,7 @@ class ReplayCheck:
         self._capturing = False
         self._replaying = False
         self._floors: deque[float] = deque(maxlen=_CALIBRATION_WINDOW)
+        self._cross: deque[float] = deque(maxlen=_CALIBRATION_WINDOW)
         self._hook = module.register_forward_pre_hook(self._on_forward)
         self._micro: list[MicroBatch] = []
         self.errors: list[int] = []
@@ -171,7 +177,7 @@ class ReplayCheck:
 
     # -- the audit (end of the step, before the update) ----------------------------------------------------------
 
-    def audit(self, blocked: str | None, local: Callable[[], tuple[int, torch.Tensor]],
+    def audit(self, blocked: str | None, local: Callable[[], tuple[int, torch.Tensor, torch.Tensor | None]],
               warn: Callable[[str, str], None], on_error: Callable[[], None]
               ) -> tuple[Finding | None, str, Measurement | None]:
         """The audit of the step: skipped (``blocked`` says why: the same on every rank), else the replay protocol
@@ -182,11 +188,11 @@ class ReplayCheck:
             warn(blocked, f"replay skipped: {blocked}")
             return None, "skipped", None
         try:
-            local_fp, local_norms = local()
+            local_fp, local_norms, local_sketch = local()
         except Exception:  # noqa: BLE001 - the replay protocol below must still run on this rank
             on_error()
-            local_fp, local_norms = 0, torch.zeros(len(self._params))
-        finding, measured = self.run(local_fp, local_norms)
+            local_fp, local_norms, local_sketch = 0, torch.zeros(len(self._params)), None
+        finding, measured = self.run(local_fp, local_norms, local_sketch)
         if self.errors:
             warn("replay-error:" + self.error_text.split(":")[0],
                  f"replay failed on ranks {self.errors[:16]}: {self.error_text} (counted as errors, not passes)")
@@ -194,7 +200,8 @@ class ReplayCheck:
             return None, "error" if mine else "pass", measured
         return finding, "fail" if finding is not None else "pass", measured
 
-    def run(self, local_fp: int | None, local_norms: torch.Tensor) -> tuple[Finding | None, Measurement | None]:
+    def run(self, local_fp: int | None, local_norms: torch.Tensor, local_sketch: torch.Tensor | None = None
+            ) -> tuple[Finding | None, Measurement | None]:
         """Audit this step. ``local_fp``: this rank's recorded local-gradient digest (None on a triggered audit of a
         step that recorded none: then the per-parameter norms and the losses are compared, non-finite values
         alike on both sides counting as agreement); ``local_norms``: its per-parameter local-gradient norms (the
@@ -208,11 +215,12 @@ class ReplayCheck:
         calibrate = not triggered and self._auto and self.mode == "tolerance" and self._audits % _CALIBRATE_EVERY == 0
         self._audits += 0 if triggered else 1
 
-        mine = {"micro": micro, "fp": local_fp, "norms": local_norms.detach().float().cpu()}
+        mine = {"micro": micro, "fp": local_fp, "norms": local_norms.detach().float().cpu(),
+                "sketch": local_sketch.detach().cpu() if local_sketch is not None and not triggered else None}
         outcome = Outcome(world)
         if calibrate:  # before comparing, so the first audit already uses a measured threshold
             self._calibrate(mine)
-        edges, measured = self._cross_round(shift, mine)
+        edges, measured = self._cross_round(shift, mine, calibrate=calibrate)
         outcome.edges += edges
         if self.errors or not edges:
             return None, measured
@@ -248,7 +256,8 @@ class ReplayCheck:
         })
         return Finding("replay", tuple(self._ranks[p] for p in suspects), evidence), measured
 
-    def _cross_round(self, shift: int, mine: dict[str, Any]) -> tuple[list[tuple[int, int]], Measurement | None]:
+    def _cross_round(self, shift: int, mine: dict[str, Any], calibrate: bool = False
+                     ) -> tuple[list[tuple[int, int]], Measurement | None]:
         origin = self._pairs.origin(self._pos, shift)
         replayer_of_mine = self._pairs.replayer(self._pos, shift)
         theirs = self._exchange(mine, send_to=replayer_of_mine, recv_from=origin)
@@ -256,6 +265,8 @@ class ReplayCheck:
             row = torch.tensor([0, bits(math.nan), bits(math.nan), 1], dtype=torch.int64)
         else:
             row = self._compare(theirs, theirs["fp"] if theirs is not None else 0)
+        if calibrate:
+            row = self._calibrate_across(row)
         measured = Measurement(self._ranks[origin], unbits(int(row[1])), unbits(int(row[2])), bool(row[0])) \
             if not row[3] else None
         # Healthy audits end here: one fixed-size agreement says nobody mismatched or failed.
@@ -296,6 +307,25 @@ class ReplayCheck:
         self._collect_errors(rows)
         return {p: r[0] == 0 for p, r in enumerate(rows)}
 
+    def _calibrate_across(self, row: torch.Tensor) -> torch.Tensor:
+        """tolerance="auto": two different ranks computing the same micro-batch differ by more than a rank's reruns
+        when their kernels differ (autotuning picked another algorithm): the largest cross-rank delta of this audit,
+        over a window of calibrations, sets the threshold, and this audit is judged against it. Fixed-size: a
+        summed histogram."""
+        delta = max(unbits(int(row[1])), unbits(int(row[2]))) if not row[3] else math.nan
+        largest = noise_max(sum_counts(_histogram(delta), self._group, self._wire))
+        if largest is None:
+            return row
+        self._cross.append(largest)
+        self.noise_floor = max(self.noise_floor, max(self._cross))
+        self.tolerance = min(max(_AUTO_FLOOR, _AUTO_FACTOR * max(self._floors, default=0.0),
+                                 _CROSS_FACTOR * max(self._cross)), _AUTO_CAP)
+        if row[3]:
+            return row
+        loss_delta, grad_delta = unbits(int(row[1])), unbits(int(row[2]))
+        mismatch = not (loss_delta <= self.tolerance and grad_delta <= self.tolerance)
+        return torch.tensor([int(mismatch), row[1], row[2], 0], dtype=torch.int64)
+
     def _calibrate(self, mine: dict[str, Any]) -> None:
         """Same-rank rerun of this rank's own step: the noise floor of non-deterministic kernels. The median over
         ranks comes from a summed histogram (fixed size at any world size), not from gathering every rank's delta."""
@@ -309,7 +339,8 @@ class ReplayCheck:
             # calibration) cannot raise the threshold for good and blind the check.
             self._floors.append(floor)
             self.noise_floor = max(self._floors)
-            self.tolerance = min(max(_AUTO_FLOOR, _AUTO_FACTOR * self.noise_floor), 0.5)
+            self.tolerance = min(max(_AUTO_FLOOR, _AUTO_FACTOR * self.noise_floor,
+                                     _CROSS_FACTOR * max(self._cross, default=0.0)), _AUTO_CAP)
 
     def _compare(self, record: dict[str, Any] | None, recorded_fp: int | None) -> torch.Tensor:
         """[mismatch, loss_delta_bits, grad_delta_bits, error] for recomputing ``record``."""
@@ -320,7 +351,7 @@ class ReplayCheck:
             if not micro:
                 raise RuntimeError("the origin rank captured no micro-batch for this audit step")
             result = self._recompute(micro)
-            recorded_losses = [float(m.loss.double().item()) for m in micro if m.loss is not None]
+            recorded_losses = _floats([m.loss for m in micro if m.loss is not None])  # one host copy
             loss_delta = max(_rel(a, b) for a, b in zip(result.losses, recorded_losses, strict=True))
             ref = record["norms"].double()
             if recorded_fp is None:  # a triggered audit: norms and losses, with non-finite values compared as such
@@ -340,6 +371,10 @@ class ReplayCheck:
                 return torch.tensor([int(mismatch), bits(loss_delta), bits(grad_delta), 0], dtype=torch.int64)
             grad_delta = float(torch.linalg.vector_norm(result.norms.double().cpu() - ref)
                                / max(float(torch.linalg.vector_norm(ref)), 1e-30))
+            recorded_sketch = record.get("sketch")
+            if self.mode == "tolerance" and recorded_sketch is not None and result.sketch is not None:
+                # The norms cannot see a sign flip and barely a mantissa change: the block sketches can.
+                grad_delta = max(grad_delta, sketch_delta(result.sketch, recorded_sketch))
             if self.mode == "exact":
                 same_loss = all(_same_bits(a, b) for a, b in zip(result.losses, recorded_losses, strict=True))
                 mismatch = not (same_loss and result.fp == recorded_fp)
@@ -357,7 +392,7 @@ class ReplayCheck:
 
     def _recompute(self, micro: Sequence[MicroBatch]) -> _Result:
         """Recompute losses and accumulated local gradients without touching .grad, buffers, RNG or DDP state."""
-        losses: list[float] = []
+        losses: list[torch.Tensor] = []
         with self._preserved():
             if self._lockstep is not None:
                 # FSDP2: forward and backward through the sharded model (every rank at once), gradient sync off,
@@ -366,7 +401,7 @@ class ReplayCheck:
                     for mb in micro:
                         loss = self._loss_of(mb)
                         scaled(loss, mb.scale, mb.grad_scale).backward()  # type: ignore[no-untyped-call]
-                        losses.append(float(loss.detach().double().item()))
+                        losses.append(loss.detach().double())
 
                 accumulated = self._lockstep(self._params, run_backward)
                 assert accumulated is not None
@@ -383,7 +418,7 @@ class ReplayCheck:
                     losses.clear()
             return self._result(losses, self._recompute_by_backward(micro, losses))
 
-    def _recompute_by_grad(self, micro: Sequence[MicroBatch], losses: list[float]) -> list[torch.Tensor | None]:
+    def _recompute_by_grad(self, micro: Sequence[MicroBatch], losses: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """autograd.grad: nothing is accumulated anywhere (no .grad, no accumulation hooks such as DDP's)."""
         total: list[torch.Tensor | None] = [None] * len(self._params)
         for mb in micro:
@@ -395,10 +430,10 @@ class ReplayCheck:
                     if prev is None and mb.had_grad is not None and mb.had_grad[i]:
                         prev = torch.zeros_like(grad)  # zero_grad(set_to_none=False): .grad = 0.0 + g
                     total[i] = grad if prev is None else prev + grad  # the order autograd accumulates .grad in
-            losses.append(float(loss.detach().double().item()))
+            losses.append(loss.detach().double())
         return total
 
-    def _recompute_by_backward(self, micro: Sequence[MicroBatch], losses: list[float]
+    def _recompute_by_backward(self, micro: Sequence[MicroBatch], losses: list[torch.Tensor]
                                ) -> list[torch.Tensor | None]:
         """backward() into .grad, which is saved before and restored after, exactly (the same tensors)."""
         saved = [p.grad for p in self._params]
@@ -409,7 +444,7 @@ class ReplayCheck:
             for mb in micro:
                 loss = self._loss_of(mb)
                 scaled(loss, mb.scale, mb.grad_scale).backward()  # type: ignore[no-untyped-call]
-                losses.append(float(loss.detach().double().item()))
+                losses.append(loss.detach().double())
             return [p.grad for p in self._params]
         finally:
             for p, g in zip(self._params, saved, strict=True):
@@ -443,7 +478,7 @@ class ReplayCheck:
             if dev_rng is not None:
                 torch.cuda.set_rng_state(dev_rng, self._device)
 
-    def _result(self, losses: list[float], total: Sequence[torch.Tensor | None]) -> _Result:
+    def _result(self, losses: list[torch.Tensor], total: Sequence[torch.Tensor | None]) -> _Result:
         fps = torch.zeros((len(self._params), 1), dtype=torch.int64, device=self._device)
         # A trainable parameter without a gradient in this step (unused with find_unused_parameters=True, an expert
         # that got no token) was reduced as zeros: the origin's local gradient record holds a zero slot for it.
@@ -455,11 +490,21 @@ class ReplayCheck:
             if rows.shape[1] != fps.shape[1]:
                 fps = torch.zeros((len(self._params), rows.shape[1]), dtype=torch.int64, device=self._device)
             fps[torch.tensor([i for i, _ in present], device=self._device)] = rows
-        norms = torch.zeros(len(self._params), dtype=torch.float32)
-        for i, g in enumerate(total):
-            if g is not None:
-                norms[i] = torch.linalg.vector_norm(g, dtype=torch.float32).cpu()
-        return _Result(losses, int(digest(fps).item()), norms)
+        # Everything stays on the device until one copy to the host at the end: O(1) synchronisations per audit,
+        # not one per parameter or micro-batch.
+        norms = torch.zeros(len(self._params), dtype=torch.float32, device=self._device)
+        if present:
+            norms[[i for i, _ in present]] = torch.stack(
+                [torch.linalg.vector_norm(g, dtype=torch.float32) for _, g in present]).to(self._device)
+        sketch_rows = torch.zeros((len(self._params), WIDTH), dtype=torch.float64, device=self._device)
+        if self.mode == "tolerance" and present:
+            sketch_rows[[i for i, _ in present]] = sketch([g for _, g in present]).to(self._device)
+        scalars = [digest(fps).reshape(1).view(torch.float64)]  # the digest's bits, reinterpreted, not converted
+        scalars += [loss.reshape(1).to(self._device) for loss in losses]
+        host = torch.cat(scalars).cpu()
+        fp = int(host[:1].view(torch.int64).item())
+        return _Result([float(x) for x in host[1:].tolist()], fp, norms.cpu(),
+                       sketch_rows.cpu() if self.mode == "tolerance" else None)
 
     def _exchange(self, mine: dict[str, Any], send_to: int, recv_from: int) -> dict[str, Any] | None:
         """Send this rank's record to ``send_to`` and receive ``recv_from``'s (group positions), point-to-point."""
@@ -478,6 +523,14 @@ def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype] | None:
     except (RuntimeError, TypeError):
         pass
     return None
+
+
+def _floats(values: Sequence[torch.Tensor]) -> list[float]:
+    """Scalars (on any device) as Python floats, with one host copy."""
+    if not values:
+        return []
+    device = values[0].device
+    return [float(x) for x in torch.stack([v.detach().double().reshape(()).to(device) for v in values]).tolist()]
 
 
 def _rel(a: float, b: float) -> float:
@@ -508,6 +561,22 @@ def _histogram(delta: float) -> list[int]:
     else:
         counts[1 + min(_BINS - 1, max(0, int((math.log10(delta) + 20) * 2)))] = 1
     return counts
+
+
+def noise_max(counts: Sequence[int]) -> float | None:
+    """The largest delta in a summed ``_histogram`` below the overflow bucket, as its bucket's upper edge (None: no
+    data). A rank whose delta overflowed (>= 1, non-finite) is a fault, not noise: it is left out.
+
+    >>> noise_max([2, 0] + [0] * 40)
+    0.0
+    """
+    finite = list(counts[:-1])
+    if not any(finite):
+        return None
+    top = max(i for i, c in enumerate(finite) if c)
+    if top == 0:
+        return 0.0
+    return float(10 ** ((top - 1) / 2 - 20 + 0.5))
 
 
 def noise_median(counts: Sequence[int]) -> float | None:

@@ -96,6 +96,7 @@ def pack(record: dict[str, Any]) -> torch.Tensor:
     plain = {
         "fp": record["fp"],
         "norms": record["norms"],
+        "sketch": record.get("sketch"),
         "micro": [{"batch": _to_plain(m.batch), "cpu_rng": m.cpu_rng, "dev_rng": m.dev_rng, "scale": m.scale,
                    "loss": m.loss, "grad_scale": m.grad_scale, "had_grad": m.had_grad,
                    "autocast": None if m.autocast is None else
@@ -120,7 +121,9 @@ def unpack(data: torch.Tensor, device: torch.device) -> dict[str, Any]:
                          autocast=None if m["autocast"] is None else (m["autocast"][0],
                                                                       getattr(torch, m["autocast"][1])),
                          scale=m["scale"], loss=m["loss"]) for m in plain["micro"]]
-    return {"fp": plain["fp"], "norms": plain["norms"].cpu(), "micro": micro}
+    sk = plain.get("sketch")
+    return {"fp": plain["fp"], "norms": plain["norms"].cpu(), "sketch": sk.cpu() if sk is not None else None,
+            "micro": micro}
 
 
 def exchange(mine: dict[str, Any], send_to: int, recv_from: int, group: Any, wire: torch.device,

@@ -125,6 +125,12 @@ class Layout:
         """Read the local gradients at the end of backward where no reduction tapped them (one process)."""
         sink.measure_local()
 
+    def reduction_mismatch(self) -> torch.Tensor | None:
+        """At the end of backward: a 0-d int64 device tensor, 1 when the reduction's checksum says the reduced
+        gradients are not the sum of the ranks' local ones (a fault inside the reduction), 0 when they are; None
+        when it was not measured (the default: no reduction, or no checksum travels with it)."""
+        return None
+
     def disable(self) -> None:
         """Stop measuring (``close()``): taps that cannot be removed only forward from now on."""
 

@@ -5,10 +5,25 @@ DDP's own process group: DDP's built-in averaging reproduced bit for bit, so tra
 measures the bucket, then runs the wrapped all-reduce. Reduced gradients are ``.grad`` after backward. Every rank
 of the replica group (``replica_group``, default the DDP model's process group) holds a replica of every tensor;
 the replay recomputes a partner's micro-batches with plain autograd on the unwrapped module (no collective).
+
+Reduce-phase checksum (``ReduceChecksum``, algorithm-based fault tolerance): a fault inside the all-reduce (a wrong
+partial sum in a reduce-scatter, spread by the all-gather) hands every rank the same wrong gradient, so the replicas
+still agree and the replay, which compares gradients before the reduction, never sees it. In ``allreduce_as_ddp``,
+after DDP's scaling and before the sum, each bucket is cut into chunks of at most 2**16 elements and each chunk gives
+S = sum(w_i * x_i) (w: a fixed pseudo-random sign per block of 16 positions, so that blocks that trade places
+usually show) and A = sum(|x_i|), accumulated in float64 on the device. The per-chunk S and A of every bucket,
+summed over the ranks, travel in one small float64 all-reduce launched right behind the last bucket's (appending
+them to the bucket itself
+would change how the backend splits the bucket, and with it the rounding of the sum at W >= 3: training would no
+longer be bitwise that of unmonitored DDP). When a bucket's reduced result comes back, S' = sum(w_i * R_i) is taken
+on exactly what DDP receives; at the end of backward ``mismatch()`` compares S' with the sum of S per chunk (on the
+device, no host synchronisation): see ``tolerance``.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,11 +35,262 @@ from torch.nn.parallel import DistributedDataParallel
 from sdc_telemetry.core.collective import group_ranks
 from sdc_telemetry.parallel.base import GradSink, Layout
 
-__all__ = ["DDP", "CommHook", "CommHookState", "comm_hook", "allreduce_as_ddp"]
+__all__ = ["DDP", "CommHook", "CommHookState", "comm_hook", "allreduce_as_ddp", "DDPScaling", "ReduceChecksum",
+           "CHUNK", "chunk_sums", "weighted_sums", "tolerance", "chunk_constants", "compare"]
+
+log = logging.getLogger("sdc_telemetry")
 
 GradBucket = Any  # torch.distributed.GradBucket (a pybind class the type checker cannot see)
 CommHook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
 
+
+# -- the reduce-phase checksum -------------------------------------------------------------------------------------
+
+#: elements per checksum chunk (at most): one S and one A per chunk
+CHUNK = 1 << 16
+#: elements per block: a block's elements share one weight, and are first summed in float32 (float64 buckets:
+#: float64), so that float64 arithmetic runs on 1/16 of the elements (a float64 sum of every element is 16x slower
+#: than a float32 one on CPUs)
+BLOCK = 16
+_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_U64 = 2.0 ** -53  # unit roundoff of float64, where the checksums are summed
+_SIGNS: dict[torch.device, torch.Tensor] = {}
+_ACTIVE = threading.local()  # the checksum of the bucket being reduced, while the wrapped hook runs
+
+
+def _signs(device: torch.device) -> torch.Tensor:
+    """The +-1 weight of each block of a chunk (fixed, pseudo-random), float64 on ``device``, made once."""
+    w = _SIGNS.get(device)
+    if w is None:
+        bits = torch.randint(0, 2, (CHUNK // BLOCK,), generator=torch.Generator().manual_seed(0x5DC))
+        w = _SIGNS[device] = (bits * 2 - 1).to(device=device, dtype=torch.float64)
+    return w
+
+
+def _partial_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _blocks(flat: torch.Tensor) -> list[torch.Tensor]:
+    """``flat``'s chunks as (chunks, blocks, BLOCK) tensors: the whole chunks as one view, then the tail chunk
+    (zero-padded to whole blocks: a copy of at most one chunk)."""
+    n = flat.numel()
+    full = n // CHUNK
+    out = []
+    if full:
+        out.append(flat[:full * CHUNK].view(full, CHUNK // BLOCK, BLOCK))
+    if n > full * CHUNK:
+        tail = flat[full * CHUNK:]
+        if tail.numel() % BLOCK:
+            tail = torch.cat([tail, tail.new_zeros(BLOCK - tail.numel() % BLOCK)])
+        out.append(tail.view(1, -1, BLOCK))
+    return out
+
+
+def _weighted(v: torch.Tensor) -> torch.Tensor:
+    partial = v.sum(-1, dtype=_partial_dtype(v.dtype)).to(torch.float64)
+    return (partial * _signs(v.device)[:v.shape[1]]).sum(1)
+
+
+def weighted_sums(flat: torch.Tensor) -> torch.Tensor:
+    """Per chunk of at most ``CHUNK`` elements, S = sum(w_i * x_i) (shape (k,), k = ceil(n / CHUNK), float64):
+    w_i is the sign of element i's block; each block is summed in float32 (float64 buckets: float64), the rest in
+    float64."""
+    return torch.cat([_weighted(v) for v in _blocks(flat)])
+
+
+def chunk_sums(flat: torch.Tensor) -> torch.Tensor:
+    """Per chunk, S (``weighted_sums``) and A = sum(|x_i|) (float32 for sub-float64 dtypes): (2, k) float64."""
+    parts = _blocks(flat)
+    s = torch.cat([_weighted(v) for v in parts])
+    a = torch.cat([torch.linalg.vector_norm(v.view(v.shape[0], -1), 1, dim=1, dtype=_partial_dtype(v.dtype))
+                   for v in parts]).to(torch.float64)
+    return torch.stack([s, a])
+
+
+def tolerance(world: int, dtype: torch.dtype, n: int) -> float:
+    """How far S' may be from the sum of the ranks' S, per unit of the sum of their A, for a healthy reduction of a
+    chunk of ``n`` elements of ``dtype`` over ``world`` ranks.
+
+    The backend sums W values per element in ``dtype``, in an order of its choosing (ring, tree, in-switch): with
+    unit roundoff u = eps/2, any order errs by at most gamma_{W-1} * sum_r |x_ri| ~ (W-1) * u * sum_r |x_ri| (a sum
+    whose result is subnormal is exact, so there is no absolute term). Weighted by +-1 and summed over the chunk,
+    that is at most (W-1) * u * sum_r A_r. Each block of 16 is summed in the partial dtype p (float32, or float64
+    for float64 buckets): at most 15 * u_p * sum|x| for each rank's S and again for S'. The float64 sums add at most
+    (2n + W) * u64 * sum_r A_r. A itself, summed in p, may read low by n * u_p. Twice each bound:
+    ((W-1) * eps + 30 * eps_p) * (1 + n * eps_p) + 4 * (2n + W) * 2**-53, i.e. (W + 29) * eps for float32. The bound
+    holds for every input and order, so a healthy reduction never exceeds it (no calibration, no false alarm); one
+    element changed by d shows when |d| exceeds it times sum_r A (fp32, W=8, a full chunk: about 0.29 times the
+    chunk's mean |reduced gradient|)."""
+    eps_p = torch.finfo(_partial_dtype(dtype)).eps
+    return ((max(world - 1, 0) * torch.finfo(dtype).eps + 2 * (BLOCK - 1) * eps_p) * (1 + n * eps_p)
+            + 4 * (2 * n + world) * _U64)
+
+
+def compare(sums: torch.Tensor, reduced: torch.Tensor, coef: torch.Tensor, limit: torch.Tensor,
+            world: int) -> torch.Tensor:
+    """0-d int64 on the device: 1 when a chunk's reduced checksum is off (``sums``: [sum S, sum A, ranks that
+    measured] over the ranks; ``reduced``: S' per chunk; ``coef``: ``tolerance`` per chunk; ``limit``: per chunk, the
+    sum of |x| from which a correct sum may overflow the dtype). Chunks with non-finite inputs are left to
+    ``grad_local``; a non-finite S' from finite inputs is a mismatch, unless the inputs could overflow (numerics)."""
+    k = reduced.numel()
+    s_sum, a_sum = sums[:k], sums[k:2 * k]
+    finite_in = torch.isfinite(s_sum) & torch.isfinite(a_sum)
+    off = torch.where(torch.isfinite(reduced), (reduced - s_sum).abs() > coef * a_sum, a_sum < limit)
+    return ((finite_in & off).any() & (sums[2 * k] == world)).to(torch.int64)
+
+
+@dataclass
+class _Round:
+    """One reduction of every bucket (one backward pass that synchronised)."""
+
+    order: list[int] = field(default_factory=list)             # buckets in the order they were reduced
+    chunks: dict[int, int] = field(default_factory=dict)      # bucket -> chunks (0: not checked)
+    sizes: dict[int, tuple[int, torch.dtype]] = field(default_factory=dict)
+    local: dict[int, torch.Tensor] = field(default_factory=dict)    # bucket -> (2, k) this rank's S and A
+    reduced: dict[int, torch.Tensor] = field(default_factory=dict)  # bucket -> (k,) S' of what DDP received
+    events: list[Any] = field(default_factory=list)           # CUDA: S' computed on the future's callback stream
+    work: Any = None
+    sums: torch.Tensor | None = None
+    world: int = 1
+    failed: bool = False
+
+
+class ReduceChecksum:
+    """The reduce-phase checksum of one DDP model (see the module docstring): fed by ``allreduce_as_ddp`` (the
+    local sums, the launch) and by the monitor's comm hook (S' of each reduced bucket); read once per step by
+    ``mismatch()``. Never raises into the reduction: a failure is reported by ``mismatch()``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._round = _Round()
+        self._pending: torch.Tensor | None = None  # the OR of the rounds compared since the last mismatch()
+        self._error = False
+        self._constants: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.rounds = 0   # rounds compared
+        self.skipped = 0  # rounds that could not be compared (a rank failed to measure, a bucket not checked)
+
+    def took(self, index: int) -> bool:
+        """Bucket ``index`` of the current round was checksummed: its reduced result must be read."""
+        return self._round.chunks.get(index, 0) > 0
+
+    def local(self, index: int, buffer: torch.Tensor) -> None:
+        """This rank's (scaled) bucket, before the sum."""
+        with self._lock:
+            if index == 0 or index in self._round.chunks:  # a new reduction round (accumulation without no_sync)
+                self._fold()
+            r = self._round
+            checked = buffer.layout == torch.strided and buffer.dtype in _CHECKED and buffer.is_contiguous()
+            k = -(-buffer.numel() // CHUNK) if checked else 0
+            r.order.append(index)
+            r.chunks[index] = k
+            if not k:
+                return
+            r.sizes[index] = (buffer.numel(), buffer.dtype)
+            try:
+                r.local[index] = chunk_sums(buffer.view(-1))
+            except Exception:  # the reduction must go on; the round is marked and not compared
+                log.exception("sdc_telemetry: the reduce-phase checksum of bucket %d failed; training goes on", index)
+                r.failed = True
+                r.local[index] = torch.zeros((2, k), dtype=torch.float64, device=buffer.device)
+
+    def launch(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        """At the last bucket: all-reduce [S of every chunk, A of every chunk, 1] (0 where this rank failed)."""
+        with self._lock:
+            r = self._round
+            checked = [i for i in r.order if r.chunks[i]]
+            total = sum(r.chunks[i] for i in checked)
+            if not total:
+                return
+            try:
+                vec = torch.cat([*(r.local[i][0] for i in checked), *(r.local[i][1] for i in checked),
+                                 (torch.zeros if r.failed else torch.ones)(1, dtype=torch.float64, device=device)])
+            except Exception:  # every rank must still join the all-reduce, with the same size
+                log.exception("sdc_telemetry: packing the reduce-phase checksum failed; training goes on")
+                r.failed = True
+                vec = torch.zeros(2 * total + 1, dtype=torch.float64, device=device)
+            r.world = group.size()
+            r.sums = vec
+            r.work = dist.all_reduce(vec, group=group, async_op=True)
+
+    def reduced(self, index: int, value: torch.Tensor) -> None:
+        """S' of bucket ``index`` as DDP receives it (called when the bucket's future completes)."""
+        try:
+            s = weighted_sums(value.reshape(-1))
+            event = None
+            if s.is_cuda:
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record()
+            with self._lock:
+                self._round.reduced[index] = s
+                if event is not None:
+                    self._round.events.append(event)
+        except Exception:  # the reduced gradient must still reach DDP
+            log.exception("sdc_telemetry: the reduced checksum of bucket %d failed; training goes on", index)
+            with self._lock:
+                self._round.failed = True
+                self._error = True
+
+    def mismatch(self) -> torch.Tensor | None:
+        """At the end of backward: 1 (0-d int64, on the device) when a reduction since the last call did not sum
+        the ranks' buckets; None when none was compared. Raises when this rank failed to measure (an error)."""
+        with self._lock:
+            self._fold()
+            flag, self._pending = self._pending, None
+            error, self._error = self._error, False
+        if error:
+            raise RuntimeError("the reduce-phase checksum failed on this rank")
+        return flag
+
+    def _fold(self) -> None:
+        """Compare the finished round and OR it into the pending flag; start a new round."""
+        r, self._round = self._round, _Round()
+        checked = [i for i in r.order if r.chunks[i]]
+        if not checked:
+            return
+        if r.work is None or r.sums is None or r.failed or any(i not in r.reduced for i in checked):
+            self.skipped += 1
+            return
+        r.work.wait()  # CUDA: the current stream waits for the all-reduce; the host does not
+        current = torch.cuda.current_stream(r.sums.device) if r.sums.is_cuda else None
+        for event in r.events:
+            current.wait_event(event)  # type: ignore[union-attr]
+        reduced = [r.reduced[i] for i in checked]
+        if current is not None:
+            for t in reduced:  # made on the callback's stream, read on this one
+                t.record_stream(current)
+        coef, limit = self._constants_for(tuple((i, *r.sizes[i]) for i in checked), r.world, r.sums.device)
+        flag = compare(r.sums, torch.cat(reduced), coef, limit, r.world)
+        self._pending = flag if self._pending is None else self._pending | flag
+        self.rounds += 1
+
+    def _constants_for(self, layout: tuple[tuple[int, int, torch.dtype], ...], world: int, device: torch.device
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (layout, world, device)
+        found = self._constants.get(key)
+        if found is None:
+            found = self._constants[key] = chunk_constants([(n, dtype) for _, n, dtype in layout], world, device)
+            if len(self._constants) > 8:  # bucket layouts change once (DDP's rebuild after the first step)
+                self._constants.pop(next(iter(self._constants)))
+        return found
+
+
+def chunk_constants(buckets: list[tuple[int, torch.dtype]], world: int, device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per chunk of ``buckets`` ((elements, dtype) each), the ``tolerance`` coefficient and the overflow limit (the
+    sum of |x| from which a correct sum may overflow the dtype), as float64 tensors on ``device``."""
+    coef: list[float] = []
+    limit: list[float] = []
+    for n, dtype in buckets:
+        info = torch.finfo(dtype)
+        for c in range(-(-n // CHUNK)):
+            coef.append(tolerance(world, dtype, min(CHUNK, n - c * CHUNK)))
+            # A (summed in the partial dtype) may read low by n * eps_p: the limit is lowered by as much.
+            limit.append(info.max / (1 + world * info.eps) / (1 + n * torch.finfo(_partial_dtype(dtype)).eps))
+    return (torch.tensor(coef, dtype=torch.float64).to(device), torch.tensor(limit, dtype=torch.float64).to(device))
+
+
+# -- the hook ------------------------------------------------------------------------------------------------------
 
 @dataclass
 class CommHookState:
@@ -35,10 +301,14 @@ class CommHookState:
     inner_state: Any
     index: dict[int, int]
     enabled: bool = True
+    checksum: ReduceChecksum | None = None
 
 
 def comm_hook(state: CommHookState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Measure the bucket's local gradients, then run the wrapped all-reduce hook (the user's or DDP's default)."""
+    """Measure the bucket's local gradients, then run the wrapped all-reduce hook (the user's or DDP's default).
+
+    The reduce-phase checksum runs where the wrapped hook reduces through ``allreduce_as_ddp`` (the default; a
+    user's hook may call it too): S' is taken on the tensor the wrapped hook hands back to DDP."""
     if state.enabled:
         try:
             state.sink.note_call(bucket.index())
@@ -49,7 +319,24 @@ def comm_hook(state: CommHookState, bucket: GradBucket) -> torch.futures.Future[
                 state.sink.store([i for i, _ in pairs], [g for _, g in pairs])
         except Exception:  # noqa: BLE001 - reported through the status vector; the all-reduce must still happen
             state.sink.fail()
-    return state.inner_hook(state.inner_state, bucket)
+    checksum = state.checksum if state.enabled else None
+    if checksum is None:
+        return state.inner_hook(state.inner_state, bucket)
+    index = bucket.index()
+    _ACTIVE.checksum = checksum
+    try:
+        future = state.inner_hook(state.inner_state, bucket)
+    finally:
+        _ACTIVE.checksum = None
+    if not checksum.took(index):
+        return future
+
+    def reduced(fut: torch.futures.Future[Any]) -> Any:
+        value = fut.value()
+        checksum.reduced(index, value[0] if isinstance(value, list) else value)
+        return value
+
+    return future.then(reduced)
 
 
 # DDP compares the annotations with the real classes; postponed (string) annotations would fail that check.
@@ -73,7 +360,10 @@ def allreduce_as_ddp(state: DDPScaling, bucket: GradBucket) -> torch.futures.Fut
     double scalar, or, where the gradient already was the bucket's view (``gradient_as_bucket_view`` with gradients
     kept between steps), ``view / W`` in place; then it sums. ``x * (1/W)`` and ``x / W`` differ in the last bit for
     many ``x`` when W is not a power of two, so ``default_hooks.allreduce_hook`` (which divides the whole bucket)
-    drifts from unmonitored training at W=3."""
+    drifts from unmonitored training at W=3.
+
+    Under the monitor's hook, the scaled bucket is checksummed before the sum and, at the last bucket, the checksums
+    are all-reduced right behind it (``ReduceChecksum``); the bucket itself is reduced exactly as DDP would."""
     world = state.group.size()
     buffer = bucket.buffer()
     views = bucket.gradients()
@@ -88,8 +378,13 @@ def allreduce_as_ddp(state: DDPScaling, bucket: GradBucket) -> torch.futures.Fut
                 view.div_(world)
             else:
                 view.mul_(1.0 / world)
+    checksum: ReduceChecksum | None = getattr(_ACTIVE, "checksum", None)
+    if checksum is not None:  # before the all-reduce, which sums in place
+        checksum.local(bucket.index(), buffer)
     work = dist.all_reduce(buffer, group=state.group, async_op=True)
     future: torch.futures.Future[torch.Tensor] = work.get_future().then(lambda fut: fut.value()[0])
+    if checksum is not None and bucket.is_last():
+        checksum.launch(state.group, buffer.device)
     return future
 
 
@@ -108,13 +403,15 @@ class DDP(Layout):
         self._ddp = model
         self._hook, self._hook_state_arg = comm_hook, comm_state
         self._state: CommHookState | None = None
+        self._checksum: ReduceChecksum | None = None
 
     def install(self, sink: GradSink) -> None:
         inner = self._hook if self._hook is not None else allreduce_as_ddp
         # DDP's own group, whatever replica_group is: the monitor must not change how gradients are averaged.
         inner_state = self._hook_state_arg if self._hook is not None else self._scaling()
         index = {id(p): i for i, p in enumerate(p for p in self.module.parameters() if p.requires_grad)}
-        self._state = CommHookState(sink, inner, inner_state, index)
+        self._checksum = ReduceChecksum()
+        self._state = CommHookState(sink, inner, inner_state, index, checksum=self._checksum)
         try:
             self._ddp.register_comm_hook(self._state, comm_hook)
         except RuntimeError as e:
@@ -137,6 +434,19 @@ class DDP(Layout):
 
     def after_backward(self, sink: GradSink) -> None:
         """The comm hook measured every bucket during backward."""
+
+    def reduction_mismatch(self) -> torch.Tensor | None:
+        """The reduce-phase checksum of this step's reductions (0-d int64 on the device: 1 = the reduced gradients
+        are not the sum of the ranks' local ones), or None where it did not run (no synchronising backward, or a
+        wrapped hook that does not reduce through ``allreduce_as_ddp``)."""
+        if self._state is None or not self._state.enabled or self._checksum is None:
+            return None
+        return self._checksum.mismatch()
+
+    @property
+    def reduction_checks(self) -> int:
+        """Reductions the checksum compared so far (each synchronising backward pass is one)."""
+        return self._checksum.rounds if self._checksum is not None else 0
 
     def disable(self) -> None:
         # DDP cannot remove a comm hook: it stays registered and only forwards to the wrapped all-reduce.

@@ -30,7 +30,9 @@ def _count_monitor_bytes(tally: dict[str, int]) -> None:
             # DDP's own gradient reduction, which the monitor's comm hook runs in DDP's place, is training's cost.
             if caller.startswith("sdc_telemetry") and frame.f_code.co_name != "allreduce_as_ddp":
                 tensors = [a for a in args if isinstance(a, torch.Tensor)]
-                tally[_name] = tally.get(_name, 0) + sum(t.numel() * t.element_size() for t in tensors[:1])
+                # The reduce-phase checksum's sums, all-reduced right behind DDP's last gradient bucket.
+                key = "checksum_" + _name if frame.f_code.co_name == "launch" else _name
+                tally[key] = tally.get(key, 0) + sum(t.numel() * t.element_size() for t in tensors[:1])
                 tally["calls"] = tally.get("calls", 0) + 1
             return _fn(*args, **kwargs)
 

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import sdc_telemetry as sdc
 import sdc_telemetry.faults
+import sdc_telemetry.testing
 from sdc_telemetry.faults import FaultInjector
 
 
@@ -147,6 +148,10 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
             opt.step()
             opt.zero_grad(set_to_none=sc.get("set_to_none", True))
         return {"weights": {n: p.detach().clone() for n, p in net.named_parameters()}, "incidents": []}
+    numerics = sc.get("gpu_numerics")  # emulated GPU arithmetic: run-to-run noise, one rank's kernels deviating
+    if numerics:
+        sdc.testing.emulate_gpu_numerics(net, noise=numerics["noise"], seed=100 + rank,
+                                         bias=numerics.get("bias", 0.0) if rank == numerics.get("bias_rank") else 0.0)
     faults = FaultInjector(ddp, opt, start_step=start_step)
     _plan(faults, sc.get("fault"))
     _plan(faults, sc.get("fault2"))
