@@ -33,6 +33,7 @@ import torch.distributed as dist
 from sdc_telemetry.checks import grad as grad_check
 from sdc_telemetry.checks.outliers import OutlierTrigger, quantize
 from sdc_telemetry.checks.replay import ReplayCheck
+from sdc_telemetry.checks.triggers import TriggeredAudits
 from sdc_telemetry.checks.weights import WeightsCheck
 from sdc_telemetry.core import status as S
 from sdc_telemetry.core.certificate import WeightCertificate, format_fingerprint
@@ -161,6 +162,8 @@ class SDCMonitor:
             if replicas and (self.config.replay_every or triggers) and loss_fn is not None else None
         self._record = grad_check.GradRecord(self._params, self.device)
         self._outliers = OutlierTrigger() if triggers and self._replay is not None else None
+        self._triggered = TriggeredAudits(self._replay, self.rank, lambda key, text: self._warn_once(
+            key, "sdc_telemetry: %s", text)) if triggers and self._replay is not None else None
         self._loss: torch.Tensor | None = None  # the step's loss (sum over micro-batches of loss * scale), on device
         self._grad = grad_check.GradCheck(self._ranks, self.rank, self._names, layout.reduces, layout.shard_of,
                                           gather=lambda row: layout.gather_rows(row, self.device),
@@ -478,12 +481,13 @@ class SDCMonitor:
             local = m.agreement.local()
             finding = self.sinks.guard("grad", self._grad.verdict, high, low, m.mine, (local[0], local[1], local[3]),
                                        m.norms, S.GRAD_FIELDS, bool(high[S.SCALER]))
-            if self._triggers(m, high, low):
-                finding = self._triggered_audit(m, finding)
-            elif self._outliers is not None and m.grads and not m.deferred \
+            now = self._triggered is not None and m.grads and not m.deferred  # the step's batch is still here
+            if now and self._triggered is not None and self._triggered.nonfinite_minority(high, low):
+                finding = self._triggered.nonfinite_audit(m.step, m.norms, finding)
+            elif now and self._outliers is not None and self._triggered is not None \
                     and self._outliers.observe(high, low, S.OUTLIER_FIELDS, (local[2], local[0])) \
-                    and finding is None and not m.audit and self._replayable(high, low):
-                outlier, results["replay"] = self._outlier_audit(m)
+                    and finding is None and not m.audit and self._triggered.replayable(high, low):
+                outlier, results["replay"] = self._triggered.outlier_audit(m.step, m.norms)
                 if outlier is not None:
                     findings.append(outlier)
             results.update(self._grad.results(bool(m.mine[S.ERROR]), bool(m.mine[S.LOCAL_MEASURED]),
@@ -517,66 +521,6 @@ class SDCMonitor:
             self._last_passing_audit = m.step
         self._conclude(m, findings, results, durations, passed=passed, replay=replay, weights_agree=weights_agree,
                        errors=errors)
-
-    def _replayable(self, high: list[int], low: list[int]) -> bool:
-        """Every rank can replay the step now (agreed data)."""
-        return (self._replay is not None and bool(low[S.LOCAL_MEASURED]) and bool(low[S.REPLAYABLE])
-                and not high[S.REPEATED] and not high[S.ERROR])
-
-    def _triggers(self, m: _Measured, high: list[int], low: list[int]) -> bool:
-        """A minority of ranks has non-finite local gradients at a step every rank can replay now (agreed data)."""
-        return (self.config.trigger_audits and not m.deferred and m.grads and self._replayable(high, low)
-                and bool(high[S.LOCAL_NONFINITE]) and not low[S.LOCAL_NONFINITE])
-
-    def _outlier_audit(self, m: _Measured) -> tuple[Finding | None, str]:
-        """A rank's loss or gradient norm jumped away from the others and its own history: partners replay the
-        step now. Reproduced: data (a hard batch), a numerics event of ``replay``; not reproduced: hardware.
-        Returns the finding and this rank's replay result."""
-        assert self._replay is not None
-        replayed, _ = self._replay.run(None, m.norms)
-        if self._replay.errors:
-            self._warn_once("triggered-error", "sdc_telemetry: step %d: the triggered audit failed on ranks %s: %s",
-                            m.step, self._replay.errors[:16], self._replay.error_text)
-            return None, "error" if self.rank in self._replay.errors else "skipped"
-        audit = {"trigger": "outlier", "replayed": True}
-        if replayed is None:
-            return Finding("replay", (), {"verdict": "data", "triggered_audit": audit,
-                                          "reason": "a rank's loss or gradient norm was an outlier and a partner "
-                                                    "recomputing its micro-batch got the same: the data, not the "
-                                                    "hardware"}), "pass"
-        return Finding("replay", replayed.suspect_ranks, {**replayed.evidence, "triggered_audit": audit}), "fail"
-
-    def _triggered_audit(self, m: _Measured, finding: Finding | None) -> Finding | None:
-        """Replay the step now: partners recompute the non-finite ranks' micro-batches. The same non-finite result
-        on the partner is data (a NaN in the batch, an overflow it provokes): a numerics event, never a suspect.
-        A finite result there is hardware, named by the replay's attribution (transient, or persistent when the
-        rank reproduces its own result and a second partner confirms it)."""
-        assert self._replay is not None
-        replayed, _ = self._replay.run(None, m.norms)
-        if self._replay.errors:
-            self._warn_once("triggered-error", "sdc_telemetry: step %d: the triggered audit failed on ranks %s: %s "
-                            "(the gradient verdict stands without it)", m.step, self._replay.errors[:16],
-                            self._replay.error_text)
-            if finding is None:
-                return None
-            return Finding(finding.check, finding.suspect_ranks,
-                           {**finding.evidence, "triggered_audit": {"error": self._replay.error_text[:200]}})
-        base = dict(finding.evidence) if finding is not None else {}
-        audit = {"trigger": "nonfinite_minority", "replayed": True}
-        if replayed is None:
-            return Finding("grad_local", (), {
-                **{k: v for k, v in base.items() if k in ("nonfinite_ranks", "ranks")}, "verdict": "data",
-                "reason": "a partner recomputing the same micro-batch gets the same non-finite result: the data (a "
-                          "bad sample, an overflow it provokes), not the hardware",
-                "triggered_audit": {**audit, "mismatching_pairs": []}})
-        ev = replayed.evidence
-        keep = ("mismatching_pairs", "mismatching_pair_count", "reproduced_own_result", "reason", "mode")
-        return Finding("grad_local", replayed.suspect_ranks, {
-            **{k: v for k, v in base.items() if k not in ("verdict", "ambiguous", "reason")},
-            "verdict": ev.get("verdict", "transient"), "ambiguous": bool(ev.get("ambiguous", False)),
-            "reason": "a partner recomputing the same micro-batch gets finite gradients: this rank's computation "
-                      "made the non-finite values",
-            "triggered_audit": {**audit, **{k: ev[k] for k in keep if k in ev}}})
 
     def _agreed_passes(self, high: list[int], low: list[int], findings: list[Finding], results: dict[str, str]
                        ) -> frozenset[str]:
