@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import struct
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sdc_telemetry.checks.calibration import AUTO_FLOOR, Calibration, histogram, noise_median
 from sdc_telemetry.checks.pairing import Outcome, attribute, plan_pairs
 from sdc_telemetry.checks.shipping import MicroBatch, check_shippable, exchange
 from sdc_telemetry.checks.sketch import WIDTH, sketch
@@ -44,11 +44,6 @@ __all__ = ["ReplayCheck", "Measurement", "Outcome", "attribute", "plan_pairs", "
 Recompute = Callable[[Sequence[torch.nn.Parameter], Callable[[], None]], "list[torch.Tensor | None] | None"]
 
 _CALIBRATE_EVERY = 10  # audits between noise-floor recalibrations in tolerance="auto"
-_AUTO_FLOOR = 1e-5     # relative tolerance when reruns are bitwise identical
-_AUTO_FACTOR = 10.0    # threshold = factor x the rerun noise floor
-_CALIBRATION_WINDOW = 5  # calibrations the noise floor is taken over
-_CROSS_FACTOR = 3.0    # threshold = factor x the largest healthy cross-rank delta (kernels that differ by rank)
-_AUTO_CAP = 0.05       # a calibrated threshold never rises above this
 
 
 def scaled(loss: torch.Tensor, scale: float, grad_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,8 +98,8 @@ class ReplayCheck:
         self._wire = collective_device(group, device)
         self.mode = mode
         self._auto = tolerance == "auto"
-        self.tolerance = _AUTO_FLOOR if self._auto else float(tolerance)
-        self.noise_floor = 0.0
+        self._threshold = Calibration() if self._auto else None
+        self._fixed = float(tolerance) if not self._auto else 0.0
         self._every = every
         self._through_grad_fields = False  # recompute through .grad (reentrant checkpointing) instead of autograd.grad
         # Triggered audits: every step's micro-batches are kept (references to the batches, RNG states, losses),
@@ -115,12 +110,19 @@ class ReplayCheck:
         self._audits = 0
         self._capturing = False
         self._replaying = False
-        self._floors: deque[float] = deque(maxlen=_CALIBRATION_WINDOW)
-        self._cross: deque[float] = deque(maxlen=_CALIBRATION_WINDOW)
         self._hook = module.register_forward_pre_hook(self._on_forward)
         self._micro: list[MicroBatch] = []
         self.errors: list[int] = []
         self.error_text = ""
+
+    @property
+    def tolerance(self) -> float:
+        """The relative threshold of tolerance mode (calibrated with ``tolerance="auto"``)."""
+        return self._threshold.tolerance if self._threshold is not None else self._fixed
+
+    @property
+    def noise_floor(self) -> float:
+        return self._threshold.noise_floor if self._threshold is not None else 0.0
 
     # -- capture (training thread, every step) -------------------------------------------------------------------
 
@@ -313,13 +315,9 @@ class ReplayCheck:
         over a window of calibrations, sets the threshold, and this audit is judged against it. Fixed-size: a
         summed histogram."""
         delta = max(unbits(int(row[1])), unbits(int(row[2]))) if not row[3] else math.nan
-        largest = noise_max(sum_counts(_histogram(delta), self._group, self._wire))
-        if largest is None:
+        assert self._threshold is not None
+        if not self._threshold.across(sum_counts(histogram(delta), self._group, self._wire)):
             return row
-        self._cross.append(largest)
-        self.noise_floor = max(self.noise_floor, max(self._cross))
-        self.tolerance = min(max(_AUTO_FLOOR, _AUTO_FACTOR * max(self._floors, default=0.0),
-                                 _CROSS_FACTOR * max(self._cross)), _AUTO_CAP)
         if row[3]:
             return row
         loss_delta, grad_delta = unbits(int(row[1])), unbits(int(row[2]))
@@ -333,14 +331,8 @@ class ReplayCheck:
             return
         row = self._compare(mine, mine["fp"])
         delta = max(unbits(int(row[1])), unbits(int(row[2]))) if not row[3] else math.nan
-        floor = noise_median(sum_counts(_histogram(delta), self._group, self._wire))
-        if floor is not None:
-            # The median rank's rerun noise, over a window of recent calibrations: one faulty rank (or one bad
-            # calibration) cannot raise the threshold for good and blind the check.
-            self._floors.append(floor)
-            self.noise_floor = max(self._floors)
-            self.tolerance = min(max(_AUTO_FLOOR, _AUTO_FACTOR * self.noise_floor,
-                                     _CROSS_FACTOR * max(self._cross, default=0.0)), _AUTO_CAP)
+        assert self._threshold is not None
+        self._threshold.rerun(sum_counts(histogram(delta), self._group, self._wire))
 
     def _compare(self, record: dict[str, Any] | None, recorded_fp: int | None) -> torch.Tensor:
         """[mismatch, loss_delta_bits, grad_delta_bits, error] for recomputing ``record``."""
@@ -366,7 +358,7 @@ class ReplayCheck:
                                        / max(float(torch.linalg.vector_norm(ref[finite])), 1e-30))
                     loss_delta = max((_rel(a, b) for a, b in zip(result.losses, recorded_losses, strict=True)
                                       if math.isfinite(a) and math.isfinite(b)), default=0.0)
-                limit = max(self.tolerance, _AUTO_FLOOR)
+                limit = max(self.tolerance, AUTO_FLOOR)
                 mismatch = not (loss_delta <= limit and grad_delta <= limit)
                 return torch.tensor([int(mismatch), bits(loss_delta), bits(grad_delta), 0], dtype=torch.int64)
             grad_delta = float(torch.linalg.vector_norm(result.norms.double().cpu() - ref)
@@ -543,58 +535,3 @@ def _rel(a: float, b: float) -> float:
 
 def _same_bits(a: float, b: float) -> bool:
     return struct.pack("<d", a) == struct.pack("<d", b)
-
-
-# Rerun-noise histogram: bucket 0 holds exact reruns (delta 0), buckets 1.._BINS cover 1e-20..1 in half decades,
-# the last one everything larger or non-finite. Ranks that could not rerun contribute nothing.
-_BINS = 40
-
-
-def _histogram(delta: float) -> list[int]:
-    counts = [0] * (_BINS + 2)
-    if math.isnan(delta):
-        return counts
-    if delta <= 0.0:
-        counts[0] = 1
-    elif not math.isfinite(delta) or delta >= 1.0:
-        counts[-1] = 1
-    else:
-        counts[1 + min(_BINS - 1, max(0, int((math.log10(delta) + 20) * 2)))] = 1
-    return counts
-
-
-def noise_max(counts: Sequence[int]) -> float | None:
-    """The largest delta in a summed ``_histogram`` below the overflow bucket, as its bucket's upper edge (None: no
-    data). A rank whose delta overflowed (>= 1, non-finite) is a fault, not noise: it is left out.
-
-    >>> noise_max([2, 0] + [0] * 40)
-    0.0
-    """
-    finite = list(counts[:-1])
-    if not any(finite):
-        return None
-    top = max(i for i, c in enumerate(finite) if c)
-    if top == 0:
-        return 0.0
-    return float(10 ** ((top - 1) / 2 - 20 + 0.5))
-
-
-def noise_median(counts: Sequence[int]) -> float | None:
-    """The median rank's rerun noise from a summed ``_histogram``, as the upper edge of its bucket (None: no data).
-
-    >>> noise_median([3, 0] + [0] * 40)
-    0.0
-    """
-    total = sum(counts)
-    if total == 0:
-        return None
-    seen = 0
-    for i, c in enumerate(counts):
-        seen += c
-        if 2 * seen > total:
-            if i == 0:
-                return 0.0
-            if i == len(counts) - 1:
-                return math.inf
-            return float(10 ** ((i) / 2 - 20))
-    return math.inf

@@ -185,7 +185,7 @@ def test_attribute_most_ranks_unreproducible_means_replay_is_unfaithful() -> Non
 
 def test_noise_median_from_summed_histograms() -> None:
     """The calibrated noise floor is the median rank's rerun delta, read from a fixed-size summed histogram."""
-    from sdc_telemetry.checks.replay import _histogram
+    from sdc_telemetry.checks.calibration import histogram as _histogram
 
     counts = [sum(c) for c in zip(_histogram(0.0), _histogram(1e-7), _histogram(1e-3), strict=True)]
     median = noise_median(counts)

@@ -1,0 +1,111 @@
+"""Calibrating tolerance mode's threshold (``tolerance="auto"``) from healthy audits, at a fixed size per rank.
+
+Two sources, each a histogram of one delta per rank summed over the group (an all-reduce of a fixed-size count
+vector at any world size, never a gather): a rank rerunning its own step (the noise floor of non-deterministic
+kernels: the median rank's, so one faulty rank cannot raise it), and two different ranks computing the same
+micro-batch in a healthy audit (ranks whose kernels consistently differ, as when autotuning picked another
+algorithm: the largest healthy delta, so such a rank is never named). Each source keeps a window of recent
+calibrations; the threshold is a factor above the larger, capped so that noise cannot blind the check for good.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+
+__all__ = ["Calibration", "histogram", "noise_median", "noise_max", "AUTO_FLOOR"]
+
+AUTO_FLOOR = 1e-5      # relative tolerance when reruns are bitwise identical
+_AUTO_FACTOR = 10.0    # threshold = factor x the rerun noise floor
+_CROSS_FACTOR = 3.0    # threshold = factor x the largest healthy cross-rank delta
+_AUTO_CAP = 0.05       # a calibrated threshold never rises above this
+_WINDOW = 5            # calibrations each source is taken over
+
+
+class Calibration:
+    """The threshold and what it was measured from."""
+
+    def __init__(self) -> None:
+        self._reruns: deque[float] = deque(maxlen=_WINDOW)
+        self._cross: deque[float] = deque(maxlen=_WINDOW)
+        self.tolerance = AUTO_FLOOR
+        self.noise_floor = 0.0
+
+    def rerun(self, counts: Sequence[int]) -> bool:
+        """Fold in a summed histogram of same-rank rerun deltas; False when no rank contributed."""
+        floor = noise_median(counts)
+        if floor is None:
+            return False
+        self._reruns.append(floor)
+        self._update()
+        return True
+
+    def across(self, counts: Sequence[int]) -> bool:
+        """Fold in a summed histogram of healthy cross-rank deltas; False when no rank contributed."""
+        largest = noise_max(counts)
+        if largest is None:
+            return False
+        self._cross.append(largest)
+        self._update()
+        return True
+
+    def _update(self) -> None:
+        self.noise_floor = max([*self._reruns, *self._cross], default=0.0)
+        self.tolerance = min(max(AUTO_FLOOR, _AUTO_FACTOR * max(self._reruns, default=0.0),
+                                 _CROSS_FACTOR * max(self._cross, default=0.0)), _AUTO_CAP)
+
+
+# Rerun-noise histogram: bucket 0 holds exact reruns (delta 0), buckets 1.._BINS cover 1e-20..1 in half decades,
+# the last one everything larger or non-finite. Ranks that could not rerun contribute nothing.
+_BINS = 40
+
+
+def histogram(delta: float) -> list[int]:
+    counts = [0] * (_BINS + 2)
+    if math.isnan(delta):
+        return counts
+    if delta <= 0.0:
+        counts[0] = 1
+    elif not math.isfinite(delta) or delta >= 1.0:
+        counts[-1] = 1
+    else:
+        counts[1 + min(_BINS - 1, max(0, int((math.log10(delta) + 20) * 2)))] = 1
+    return counts
+
+
+def noise_max(counts: Sequence[int]) -> float | None:
+    """The largest delta in a summed ``histogram`` below the overflow bucket, as its bucket's upper edge (None: no
+    data). A rank whose delta overflowed (>= 1, non-finite) is a fault, not noise: it is left out.
+
+    >>> noise_max([2, 0] + [0] * 40)
+    0.0
+    """
+    finite = list(counts[:-1])
+    if not any(finite):
+        return None
+    top = max(i for i, c in enumerate(finite) if c)
+    if top == 0:
+        return 0.0
+    return float(10 ** ((top - 1) / 2 - 20 + 0.5))
+
+
+def noise_median(counts: Sequence[int]) -> float | None:
+    """The median rank's rerun noise from a summed ``histogram``, as the upper edge of its bucket (None: no data).
+
+    >>> noise_median([3, 0] + [0] * 40)
+    0.0
+    """
+    total = sum(counts)
+    if total == 0:
+        return None
+    seen = 0
+    for i, c in enumerate(counts):
+        seen += c
+        if 2 * seen > total:
+            if i == 0:
+                return 0.0
+            if i == len(counts) - 1:
+                return math.inf
+            return float(10 ** ((i) / 2 - 20))
+    return math.inf
