@@ -20,24 +20,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from sdc_telemetry.checks import grad as grad_check
-from sdc_telemetry.checks.outliers import OutlierTrigger, quantize
+from sdc_telemetry.checks.outliers import OutlierTrigger
 from sdc_telemetry.checks.replay import ReplayCheck
 from sdc_telemetry.checks.triggers import TriggeredAudits
 from sdc_telemetry.checks.weights import WeightsCheck
 from sdc_telemetry.core import status as S
 from sdc_telemetry.core.certificate import WeightCertificate, format_fingerprint
-from sdc_telemetry.core.collective import Agreement
 from sdc_telemetry.core.config import SDCConfig
 from sdc_telemetry.core.episodes import Episodes
 from sdc_telemetry.core.findings import Finding
@@ -45,6 +42,7 @@ from sdc_telemetry.core.fingerprint import fingerprint
 from sdc_telemetry.core.identity import RankIdentity, numerics_signature
 from sdc_telemetry.core.incident import Incident, SDCDetected, root_cause
 from sdc_telemetry.core.setup import agree_setup
+from sdc_telemetry.measure import Measured, StepMeasurer
 from sdc_telemetry.parallel import layout_for
 from sdc_telemetry.sinks import Sinks
 from sdc_telemetry.sinks.observer import Observer, ReplayDeltas, StepReport
@@ -55,23 +53,6 @@ __all__ = ["SDCMonitor"]
 log = logging.getLogger("sdc_telemetry")
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
-
-
-@dataclass
-class _Measured:
-    """One rank's measurements at a hook point and the agreement launched on them: what deciding needs, kept
-    until the verdict is read (at once, or one step later on CUDA)."""
-
-    step: int
-    mine: list[int]              # this rank's host-side status fields
-    agreement: Agreement
-    weights_due: bool
-    audit: bool
-    table: torch.Tensor | None   # this rank's weight fingerprint table, for a vote on disagreement
-    norms: torch.Tensor          # this rank's per-parameter local-gradient norms (evidence)
-    durations: dict[str, float] = field(default_factory=dict)  # measuring time per check on this rank
-    grads: bool = True           # gradient results belong to this hook point
-    deferred: bool = False       # decided one step later (the step's batch and weights are gone by then)
 
 
 class SDCMonitor:
@@ -168,12 +149,14 @@ class SDCMonitor:
         self._grad = grad_check.GradCheck(self._ranks, self.rank, self._names, layout.reduces, layout.shard_of,
                                           gather=lambda row: layout.gather_rows(row, self.device),
                                           gather_objects=layout.gather_objects)
+        self._measurer = StepMeasurer(layout, self.config, self._params, self.device, self._record, self._weights,
+                                      self._replay, self._outliers, self._internal_error)
         layout.install(self._record)
         self._handles = [optimizer.register_step_post_hook(self._after_update)]
 
         self._next_step = start_step
         self._step = start_step - 1
-        self._pending: _Measured | None = None
+        self._pending: Measured | None = None
         self._absent: torch.Tensor | None = None
         # On CUDA, read healthy verdicts one step later rather than wait for the GPU (the same on every rank).
         self._defer_verdicts = self.device.type == "cuda"
@@ -384,76 +367,10 @@ class SDCMonitor:
     # -- measuring -----------------------------------------------------------------------------------------------
 
     def _measure(self, step: int, *, weights: bool, audit: bool = False, snapshot: bool = False,
-                 grads: bool = True) -> _Measured:
-        """This rank's measurements and the launched agreement (no host synchronisation). ``snapshot`` keeps copies
-        of what the next step overwrites, for a verdict read one step later; ``grads=False`` (an on-demand weight
-        check) measures the weights only."""
-        start = time.perf_counter()
-        host = [0] * S.FIELDS
-        host[S.STEP] = step
-        host[S.SCALER] = int(self._scaler_used)
-        nonfinite = torch.zeros(2, dtype=torch.int64, device=self.device)
-        digest = torch.zeros(1, dtype=torch.int64, device=self.device)
-        # local, reduced, loss, reduction checksum flag
-        norms = torch.full((4,), math.nan, dtype=torch.float64, device=self.device)
-        on_device: dict[int, torch.Tensor] = {}
-        record, layout = self._record, self.layout
-        reduced_s = 0.0
-        try:
-            if grads and self.config.grad_checks:
-                layout.after_backward(record)
-            if grads and (self.config.grad_checks or audit):
-                host[S.LOCAL_MEASURED] = int(record.measured)
-                host[S.REPEATED] = int(record.repeated)
-                if record.measured:
-                    local_norm = record.total_norm()
-                    nonfinite[0] = ~torch.isfinite(local_norm)
-                    norms[0] = local_norm
-                    if self._outliers is not None and self._loss is not None:
-                        loss_q, norm_q = quantize(self._loss), quantize(local_norm)
-                        norms[2] = self._loss
-                        on_device.update({S.LOSS_Q: loss_q, S.NORM_Q: norm_q,
-                                          S.JUMP_Q: self._outliers.jump(loss_q, norm_q)})
-                if self.config.grad_checks and layout.reduces:
-                    t = time.perf_counter()
-                    reduced_norm = torch.linalg.vector_norm(grad_check.reduced_norms(self._params, self.device,
-                                                                                     view=layout.local))
-                    mismatch = layout.reduction_mismatch()  # the reduce-phase checksum (on the device), or None
-                    if mismatch is not None:
-                        on_device[S.REDUCED_CHECKSUM] = mismatch
-                        norms[3] = mismatch
-                    reduced_s = time.perf_counter() - t
-                    host[S.REDUCED_MEASURED] = int(any(p.grad is not None for p in self._params))
-                    nonfinite[1] = ~torch.isfinite(reduced_norm)
-                    norms[1] = reduced_norm
-            host[S.REPLAYABLE] = int(self._replay is not None and self._replay.ready())
-        except Exception:  # noqa: BLE001 - contained; the agreement below must still run on this rank
-            self._internal_error("grad", "measuring gradients failed")
-            host[S.ERROR] = 1
-        table = None
-        weights_s = 0.0
-        if weights:
-            t = time.perf_counter()
-            try:
-                if self._weights is None:
-                    raise RuntimeError("no replicas to compare")
-                digest = self._weights.measure().reshape(1)
-                table = self._weights.table
-            except Exception:  # noqa: BLE001
-                self._internal_error("weights", "fingerprinting the parameters failed")
-                host[S.WEIGHTS_ERROR] = 1
-            weights_s = time.perf_counter() - t
-        on_device.update({S.LOCAL_NONFINITE: nonfinite[0], S.REDUCED_NONFINITE: nonfinite[1]})
-        vec, self._absent = S.pack(host, on_device, digest, self.device, layout.digest_slots, layout.digest_slot,
-                                   self._absent)
-        agreement = Agreement(vec, layout.group, layout.distributed, local=norms, absent=self._absent)
-        elapsed = time.perf_counter() - start
-        # grad_local: the tap's measurements during backward and the local part here; grad_reduced: its pass.
-        durations = {"grad_local": record.elapsed + elapsed - reduced_s - weights_s, "grad_reduced": reduced_s,
-                     "weights": weights_s}
-        return _Measured(step=step, mine=host, agreement=agreement, weights_due=weights, audit=audit, table=table,
-                         norms=record.norms.clone() if snapshot else record.norms, durations=durations,
-                         grads=grads, deferred=snapshot)
+                 grads: bool = True) -> Measured:
+        """This rank's measurements and the launched agreement (``measure.StepMeasurer``)."""
+        return self._measurer.measure(step, self._loss, self._scaler_used, weights=weights, audit=audit,
+                                      snapshot=snapshot, grads=grads)
 
     # -- deciding ------------------------------------------------------------------------------------------------
 
@@ -463,7 +380,7 @@ class SDCMonitor:
         if pending is not None:
             self._decide(pending)
 
-    def _decide(self, m: _Measured) -> None:
+    def _decide(self, m: Measured) -> None:
         t0 = time.perf_counter()
         high, low = m.agreement.result()
         durations = dict(m.durations)
@@ -538,7 +455,7 @@ class SDCMonitor:
             passed.add("replay")  # the replay's error list is gathered: the same on every rank
         return frozenset(passed)
 
-    def _weights_verdict(self, m: _Measured, high: list[int], low: list[int]) -> tuple[Finding | None, str]:
+    def _weights_verdict(self, m: Measured, high: list[int], low: list[int]) -> tuple[Finding | None, str]:
         assert self._weights is not None
         return self._weights.verdict(m.step, bool(high[S.WEIGHTS_ERROR]), bool(m.mine[S.WEIGHTS_ERROR]),
                                      S.digests_agree(high, low, self.layout.digest_slots), m.table, self._writer)
@@ -565,7 +482,7 @@ class SDCMonitor:
 
     # -- responding ----------------------------------------------------------------------------------------------
 
-    def _conclude(self, m: _Measured, findings: list[Finding], results: dict[str, str], durations: dict[str, float],
+    def _conclude(self, m: Measured, findings: list[Finding], results: dict[str, str], durations: dict[str, float],
                   *, passed: frozenset[str] = frozenset(), counts_step: bool = True,
                   replay: ReplayDeltas | None = None, weights_agree: bool | None = None,
                   errors: tuple[str, ...] = ()) -> list[Incident]:
@@ -594,7 +511,7 @@ class SDCMonitor:
     def _suspects(self, ranks: tuple[int, ...]) -> tuple[RankIdentity, ...]:
         return tuple(self.identities.get(r, RankIdentity(r, -1, "unknown", "unknown")) for r in ranks)
 
-    def _grad_norms(self, m: _Measured, results: dict[str, str]) -> dict[str, float]:
+    def _grad_norms(self, m: Measured, results: dict[str, str]) -> dict[str, float]:
         if not m.grads:
             return {}
         local, reduced = m.agreement.local()[:2]

@@ -6,6 +6,10 @@ kernels: the median rank's, so one faulty rank cannot raise it), and two differe
 micro-batch in a healthy audit (ranks whose kernels consistently differ, as when autotuning picked another
 algorithm: the largest healthy delta, so such a rank is never named). Each source keeps a window of recent
 calibrations; the threshold is a factor above the larger, capped so that noise cannot blind the check for good.
+
+An audit is judged against the threshold measured before it, and only ranks whose comparison passed contribute their
+cross-rank delta: a fault present at a calibration audit can neither hide itself nor raise the threshold. Until the
+first healthy cross-rank audit the threshold is 1e-4, room for kernels that differ by rank.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ AUTO_FLOOR = 1e-5      # relative tolerance when reruns are bitwise identical
 _AUTO_FACTOR = 10.0    # threshold = factor x the rerun noise floor
 _CROSS_FACTOR = 3.0    # threshold = factor x the largest healthy cross-rank delta
 _AUTO_CAP = 0.05       # a calibrated threshold never rises above this
+_INITIAL = 1e-4        # until a healthy cross-rank audit was measured: room for ranks whose kernels differ
 _WINDOW = 5            # calibrations each source is taken over
 
 
@@ -29,7 +34,7 @@ class Calibration:
     def __init__(self) -> None:
         self._reruns: deque[float] = deque(maxlen=_WINDOW)
         self._cross: deque[float] = deque(maxlen=_WINDOW)
-        self.tolerance = AUTO_FLOOR
+        self.tolerance = _INITIAL
         self.noise_floor = 0.0
 
     def rerun(self, counts: Sequence[int]) -> bool:
@@ -52,8 +57,8 @@ class Calibration:
 
     def _update(self) -> None:
         self.noise_floor = max([*self._reruns, *self._cross], default=0.0)
-        self.tolerance = min(max(AUTO_FLOOR, _AUTO_FACTOR * max(self._reruns, default=0.0),
-                                 _CROSS_FACTOR * max(self._cross, default=0.0)), _AUTO_CAP)
+        across = _CROSS_FACTOR * max(self._cross) if self._cross else _INITIAL
+        self.tolerance = min(max(AUTO_FLOOR, _AUTO_FACTOR * max(self._reruns, default=0.0), across), _AUTO_CAP)
 
 
 # Rerun-noise histogram: bucket 0 holds exact reruns (delta 0), buckets 1.._BINS cover 1e-20..1 in half decades,

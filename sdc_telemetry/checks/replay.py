@@ -311,18 +311,15 @@ class ReplayCheck:
 
     def _calibrate_across(self, row: torch.Tensor) -> torch.Tensor:
         """tolerance="auto": two different ranks computing the same micro-batch differ by more than a rank's reruns
-        when their kernels differ (autotuning picked another algorithm): the largest cross-rank delta of this audit,
-        over a window of calibrations, sets the threshold, and this audit is judged against it. Fixed-size: a
-        summed histogram."""
-        delta = max(unbits(int(row[1])), unbits(int(row[2]))) if not row[3] else math.nan
+        when their kernels differ (autotuning picked another algorithm): the largest healthy cross-rank delta, over
+        a window of calibrations, sets the threshold of the audits that follow. This audit was judged against the
+        threshold measured before it, and a rank whose comparison failed contributes nothing: a fault present here
+        can neither hide itself nor raise the threshold. Fixed-size: a summed histogram."""
+        healthy = not row[3] and not row[0]
+        delta = max(unbits(int(row[1])), unbits(int(row[2]))) if healthy else math.nan
         assert self._threshold is not None
-        if not self._threshold.across(sum_counts(histogram(delta), self._group, self._wire)):
-            return row
-        if row[3]:
-            return row
-        loss_delta, grad_delta = unbits(int(row[1])), unbits(int(row[2]))
-        mismatch = not (loss_delta <= self.tolerance and grad_delta <= self.tolerance)
-        return torch.tensor([int(mismatch), row[1], row[2], 0], dtype=torch.int64)
+        self._threshold.across(sum_counts(histogram(delta), self._group, self._wire))
+        return row
 
     def _calibrate(self, mine: dict[str, Any]) -> None:
         """Same-rank rerun of this rank's own step: the noise floor of non-deterministic kernels. The median over

@@ -17,7 +17,8 @@ ALLOWED: dict[str, set[str]] = {
     "checks": {"core", "checks"},
     "sinks": {"core", "sinks"},
     "step": {"core", "checks"},
-    "monitor": {"core", "parallel", "checks", "sinks", "step"},
+    "measure": {"core", "parallel", "checks"},
+    "monitor": {"core", "parallel", "checks", "sinks", "step", "measure"},
     "integrations": {"core", "sinks", "monitor", "step", "stop", "integrations"},
     "stop": {"core", "monitor"},
 }

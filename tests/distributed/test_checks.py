@@ -147,7 +147,8 @@ def test_replay_holds_with_activation_checkpointing_and_experts_without_tokens()
 def test_tolerance_mode_under_gpu_noise_sees_single_element_flips_and_tolerates_a_deviating_rank() -> None:
     """Emulated GPU numerics (fresh 1e-6 relative noise per call on every rank, rank 2's kernels 1e-5 off):
     tolerance mode with a calibrated threshold passes 120 audits with no false incident, and names the origin of a
-    sign flip and of a mantissa bit-20 flip of one element of one parameter's local gradient at an audit step."""
+    sign flip and of a mantissa bit-20 flip of one element of one parameter's local gradient at an audit step, and of
+    a 1e-3 compute fault present from the first (calibrating) audit."""
     gpu = {"noise": 1e-6, "bias": 1e-5, "bias_rank": 2}
     config = {"replay_every": 1, "mode": "tolerance", "weights_every": 0}
     flip = {"kind": "flip_grad_bit", "rank": 1, "step": 5, "param": "fc1.weight", "index": 37}
@@ -155,8 +156,12 @@ def test_tolerance_mode_under_gpu_noise_sees_single_element_flips_and_tolerates_
         {"config": config, "steps": 120, "gpu_numerics": gpu, "loss_always": True},
         {"config": config, "steps": 8, "gpu_numerics": gpu, "fault": {**flip, "bit": 31}},
         {"config": config, "steps": 8, "gpu_numerics": gpu, "fault": {**flip, "bit": 20}},
+        # A compute fault already there at the first (calibrating) audit must not raise the threshold over itself.
+        {"config": config, "steps": 4, "gpu_numerics": gpu,
+         "fault": {"kind": "perturb_output", "rank": 1, "step": 0, "module": "fc2", "relative": 1e-3}},
     ]
-    healthy, sign, mantissa = zip(*spawn_ranks(run_scenarios, 3, (scenarios,), timeout=300), strict=True)
+    healthy, sign, mantissa, early = zip(*spawn_ranks(run_scenarios, 3, (scenarios,), timeout=300), strict=True)
+    assert _verdicts(early[0])[0][:3] == (0, "replay", (1,)), early[0]["incidents"]
     for r in healthy:
         assert not r["incidents"] and not r["errors"], r["incidents"][:2]
         assert r["counts"]["replay"] == {"pass": 120} and r["mode"] == "tolerance"

@@ -1,0 +1,130 @@
+"""Measuring one step on this rank: thin tensor code, no host synchronisation, then the one agreement.
+
+What the layout's tap recorded during backward (local-gradient norms; fingerprints and sketches on audit steps), the
+reduced gradients' norm (this rank's share), the weight digest when due, the quantized loss and gradient norm for
+outlier triggers, and host-side flags are packed into the status vector (``core/status.py``) whose all-reduce is
+launched here; deciding reads its result, at once or one step later on CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from sdc_telemetry.checks import grad as grad_check
+from sdc_telemetry.checks.outliers import OutlierTrigger, quantize
+from sdc_telemetry.checks.replay import ReplayCheck
+from sdc_telemetry.checks.weights import WeightsCheck
+from sdc_telemetry.core import status as S
+from sdc_telemetry.core.collective import Agreement
+from sdc_telemetry.core.config import SDCConfig
+from sdc_telemetry.parallel.base import Layout
+
+__all__ = ["Measured", "StepMeasurer"]
+
+
+@dataclass
+class Measured:
+    """One rank's measurements at a hook point and the agreement launched on them: what deciding needs, kept
+    until the verdict is read (at once, or one step later on CUDA)."""
+
+    step: int
+    mine: list[int]              # this rank's host-side status fields
+    agreement: Agreement
+    weights_due: bool
+    audit: bool
+    table: torch.Tensor | None   # this rank's weight fingerprint table, for a vote on disagreement
+    norms: torch.Tensor          # this rank's per-parameter local-gradient norms (evidence)
+    durations: dict[str, float] = field(default_factory=dict)  # measuring time per check on this rank
+    grads: bool = True           # gradient results belong to this hook point
+    deferred: bool = False       # decided one step later (the step's batch and weights are gone by then)
+
+
+class StepMeasurer:
+    """The parts a step's measurement reads, held once (``on_error(component, what)`` counts a contained failure)."""
+
+    def __init__(self, layout: Layout, config: SDCConfig, params: Sequence[torch.nn.Parameter],
+                 device: torch.device, record: grad_check.GradRecord, weights: WeightsCheck | None,
+                 replay: ReplayCheck | None, outliers: OutlierTrigger | None,
+                 on_error: Callable[[str, str], None]) -> None:
+        self.layout, self.config, self._params, self.device = layout, config, list(params), device
+        self._record, self._weights, self._replay, self._outliers = record, weights, replay, outliers
+        self._on_error = on_error
+        self._absent: torch.Tensor | None = None  # the status vector's absent-slot mask, made once
+
+    def measure(self, step: int, loss: torch.Tensor | None, scaler_used: bool, *, weights: bool,
+                audit: bool = False, snapshot: bool = False, grads: bool = True) -> Measured:
+        """This rank's measurements and the launched agreement (no host synchronisation). ``snapshot`` keeps copies
+        of what the next step overwrites, for a verdict read one step later; ``grads=False`` (an on-demand weight
+        check) measures the weights only."""
+        start = time.perf_counter()
+        host = [0] * S.FIELDS
+        host[S.STEP] = step
+        host[S.SCALER] = int(scaler_used)
+        nonfinite = torch.zeros(2, dtype=torch.int64, device=self.device)
+        digest = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # local, reduced, loss, reduction checksum flag
+        norms = torch.full((4,), math.nan, dtype=torch.float64, device=self.device)
+        on_device: dict[int, torch.Tensor] = {}
+        record, layout = self._record, self.layout
+        reduced_s = 0.0
+        try:
+            if grads and self.config.grad_checks:
+                layout.after_backward(record)
+            if grads and (self.config.grad_checks or audit):
+                host[S.LOCAL_MEASURED] = int(record.measured)
+                host[S.REPEATED] = int(record.repeated)
+                if record.measured:
+                    local_norm = record.total_norm()
+                    nonfinite[0] = ~torch.isfinite(local_norm)
+                    norms[0] = local_norm
+                    if self._outliers is not None and loss is not None:
+                        loss_q, norm_q = quantize(loss), quantize(local_norm)
+                        norms[2] = loss
+                        on_device.update({S.LOSS_Q: loss_q, S.NORM_Q: norm_q,
+                                          S.JUMP_Q: self._outliers.jump(loss_q, norm_q)})
+                if self.config.grad_checks and layout.reduces:
+                    t = time.perf_counter()
+                    reduced_norm = torch.linalg.vector_norm(grad_check.reduced_norms(self._params, self.device,
+                                                                                     view=layout.local))
+                    mismatch = layout.reduction_mismatch()  # the reduce-phase checksum (on the device), or None
+                    if mismatch is not None:
+                        on_device[S.REDUCED_CHECKSUM] = mismatch
+                        norms[3] = mismatch
+                    reduced_s = time.perf_counter() - t
+                    host[S.REDUCED_MEASURED] = int(any(p.grad is not None for p in self._params))
+                    nonfinite[1] = ~torch.isfinite(reduced_norm)
+                    norms[1] = reduced_norm
+            host[S.REPLAYABLE] = int(self._replay is not None and self._replay.ready())
+        except Exception:  # noqa: BLE001 - contained; the agreement below must still run on this rank
+            self._on_error("grad", "measuring gradients failed")
+            host[S.ERROR] = 1
+        table = None
+        weights_s = 0.0
+        if weights:
+            t = time.perf_counter()
+            try:
+                if self._weights is None:
+                    raise RuntimeError("no replicas to compare")
+                digest = self._weights.measure().reshape(1)
+                table = self._weights.table
+            except Exception:  # noqa: BLE001
+                self._on_error("weights", "fingerprinting the parameters failed")
+                host[S.WEIGHTS_ERROR] = 1
+            weights_s = time.perf_counter() - t
+        on_device.update({S.LOCAL_NONFINITE: nonfinite[0], S.REDUCED_NONFINITE: nonfinite[1]})
+        vec, self._absent = S.pack(host, on_device, digest, self.device, layout.digest_slots, layout.digest_slot,
+                                   self._absent)
+        agreement = Agreement(vec, layout.group, layout.distributed, local=norms, absent=self._absent)
+        elapsed = time.perf_counter() - start
+        # grad_local: the tap's measurements during backward and the local part here; grad_reduced: its pass.
+        durations = {"grad_local": record.elapsed + elapsed - reduced_s - weights_s, "grad_reduced": reduced_s,
+                     "weights": weights_s}
+        return Measured(step=step, mine=host, agreement=agreement, weights_due=weights, audit=audit, table=table,
+                         norms=record.norms.clone() if snapshot else record.norms, durations=durations,
+                         grads=grads, deferred=snapshot)
+
