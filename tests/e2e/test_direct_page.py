@@ -163,3 +163,58 @@ def test_a_page_refused_three_times_arrives_and_the_failures_are_counted() -> No
     first, accepted = server.posts[0][0], server.posts[3][0]
     assert accepted - first < 10, "the retries took too long"
     assert [r["failures"] for r in results] == [3, 0, 0]
+
+
+def two_replicas_persistent(rank: int, world: int, alertmanager_url: str) -> dict[str, Any]:
+    """Two replicas, rank 1 computing wrong at every step (a persistent compute fault), replay every step,
+    on_suspect="record", pages pushed to a local Alertmanager stand-in; the writer waits (bounded) for the push."""
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    faults = FaultInjector(ddp, opt)
+    faults.perturb_output(rank=1, step=1, module="2", relative=1e-3)
+    config = sdc.SDCConfig(weights_every=1, replay_every=1, on_suspect="record", metrics_port=None,
+                           job_name="two-replicas", alertmanager_url=alertmanager_url, nvml=False)
+    monitor = sdc.SDCMonitor(ddp, opt, loss_fn=loss_fn, config=config)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(4):
+        batch = (torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen))
+        with monitor.step(batch) as st:
+            st.backward(loss_fn(ddp, batch))
+        opt.step()
+        opt.zero_grad()
+    deadline = time.monotonic() + 20
+    while rank == 0 and time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{alertmanager_url}/accepted", timeout=5) as r:
+            if json.loads(r.read())["accepted"] >= 1:
+                break
+        time.sleep(0.05)
+    dist.barrier()
+    monitor.close()
+    faults.close()
+    return {"incidents": [(i.step, i.check, i.suspect_ranks, i.evidence.get("ambiguous"))
+                          for i in monitor.incidents]}
+
+
+def test_a_two_replica_persistent_mismatch_pages_only_warnings_marked_ambiguous() -> None:
+    """Two replicas disagree and each reproduces itself: no referee can say which is wrong, so the replay incident
+    is ambiguous and the direct push sends, for both ranks, the SDCReplayMismatch alert with severity warning and
+    ambiguous="true": no critical, nothing a responder would act on."""
+    server = _FlakyAlertmanager(failures=0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        results = spawn_ranks(two_replicas_persistent, 2, (server.url,), timeout=150,
+                              rank_env=lambda r: {"SDC_HOST_NAME": host_of(r), "LOCAL_RANK": str(r)})
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    first = results[0]["incidents"][0]
+    assert first[:3] == (1, "replay", (0, 1)) and first[3] is True, results[0]["incidents"]
+    alerts = [a for _, status, body in server.posts if status == 200 for a in body]
+    assert alerts, server.posts
+    assert {a["labels"]["rank"] for a in alerts} == {"0", "1"}
+    for a in alerts:
+        assert a["labels"]["alertname"] == "SDCReplayMismatch"
+        assert a["labels"]["severity"] == "warning" and a["labels"]["ambiguous"] == "true"
