@@ -151,7 +151,7 @@ class SDCMonitor:
                                           gather_objects=layout.gather_objects)
         self._measurer = StepMeasurer(layout, self.config, self._params, self.device, self._record, self._weights,
                                       self._replay, self._outliers, self._internal_error)
-        layout.install(self._record)
+        layout.install(self._record, reduced_checks=self.config.grad_checks)
         self._handles = [optimizer.register_step_post_hook(self._after_update)]
 
         self._next_step = start_step

@@ -118,8 +118,9 @@ class Layout:
 
     # -- where gradients are read --------------------------------------------------------------------------------
 
-    def install(self, sink: GradSink) -> None:
-        """Tap the local gradients into ``sink`` as the reduction consumes them (nothing to tap by default)."""
+    def install(self, sink: GradSink, *, reduced_checks: bool = True) -> None:
+        """Tap the local gradients into ``sink`` as the reduction consumes them (nothing to tap by default);
+        ``reduced_checks``: the reduced gradients are checked (what a reduction-side measurement is for)."""
 
     def after_backward(self, sink: GradSink) -> None:
         """Read the local gradients at the end of backward where no reduction tapped them (one process)."""

@@ -405,12 +405,13 @@ class DDP(Layout):
         self._state: CommHookState | None = None
         self._checksum: ReduceChecksum | None = None
 
-    def install(self, sink: GradSink) -> None:
+    def install(self, sink: GradSink, *, reduced_checks: bool = True) -> None:
         inner = self._hook if self._hook is not None else allreduce_as_ddp
         # DDP's own group, whatever replica_group is: the monitor must not change how gradients are averaged.
         inner_state = self._hook_state_arg if self._hook is not None else self._scaling()
         index = {id(p): i for i, p in enumerate(p for p in self.module.parameters() if p.requires_grad)}
-        self._checksum = ReduceChecksum()
+        # The reduce-phase checksum (and its small all-reduce) only where the reduced gradients are checked.
+        self._checksum = ReduceChecksum() if reduced_checks else None
         self._state = CommHookState(sink, inner, inner_state, index, checksum=self._checksum)
         try:
             self._ddp.register_comm_hook(self._state, comm_hook)

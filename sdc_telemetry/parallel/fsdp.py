@@ -267,7 +267,7 @@ class FSDP(Layout):
         return ("a 1-D FSDP mesh holds no replica of any shard: the weight check has nothing to compare and is off "
                 "(HSDP, a (replicate, shard) mesh, has replicas)")
 
-    def install(self, sink: GradSink) -> None:
+    def install(self, sink: GradSink, *, reduced_checks: bool = True) -> None:
         params = [p for p in self.module.parameters() if p.requires_grad]
         self._tap = GradTap(self.mesh, params, sink.store, lambda: sink.detail, sink.note_call, sink.fail)
 
