@@ -100,6 +100,28 @@ def _pager_failures(registry: prometheus_client.CollectorRegistry) -> float | No
     return None
 
 
+def _train(ddp: torch.nn.Module, opt: torch.optim.Optimizer, monitor: sdc.SDCMonitor, rank: int, *, steps: int,
+           pause_s: float = 0.0) -> None:
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        batch = (torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen))
+        with monitor.step(batch) as st:
+            st.backward(loss_fn(ddp, batch))
+        opt.step()
+        opt.zero_grad()
+        time.sleep(pause_s)
+
+
+def _wait_accepted(alertmanager_url: str, wait_s: float) -> None:
+    """Until the stand-in Alertmanager accepted a post (bounded)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{alertmanager_url}/accepted", timeout=5) as r:
+            if json.loads(r.read())["accepted"] >= 1:
+                return
+        time.sleep(0.05)
+
+
 def page_through_failures(rank: int, world: int, alertmanager_url: str, wait_s: float) -> dict[str, Any]:
     """A weight flip on rank 2 at step 4, on_suspect="record", a direct push to an Alertmanager that fails at first.
     The writer rank keeps training, then waits (bounded) until the page was accepted; every rank returns its
@@ -113,21 +135,10 @@ def page_through_failures(rank: int, world: int, alertmanager_url: str, wait_s: 
                            job_name="pager-retry", alertmanager_url=alertmanager_url, nvml=False)
     registry = prometheus_client.CollectorRegistry()
     monitor = sdc.SDCMonitor(ddp, opt, config=config, registry=registry)
-    gen = torch.Generator().manual_seed(100 + rank)
-    for _ in range(8):
-        batch = (torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen))
-        with monitor.step(batch) as st:
-            st.backward(loss_fn(ddp, batch))
-        opt.step()
-        opt.zero_grad()
-        time.sleep(0.1)
+    _train(ddp, opt, monitor, rank, steps=8, pause_s=0.1)
     trained_at = time.time()
-    deadline = time.monotonic() + wait_s
-    while rank == 0 and time.monotonic() < deadline:
-        with urllib.request.urlopen(f"{alertmanager_url}/accepted", timeout=5) as r:
-            if json.loads(r.read())["accepted"] >= 1:
-                break
-        time.sleep(0.05)
+    if rank == 0:
+        _wait_accepted(alertmanager_url, wait_s)
     failures = _pager_failures(registry)
     dist.barrier()
     monitor.close()
@@ -176,19 +187,9 @@ def two_replicas_persistent(rank: int, world: int, alertmanager_url: str) -> dic
     config = sdc.SDCConfig(weights_every=1, replay_every=1, on_suspect="record", metrics_port=None,
                            job_name="two-replicas", alertmanager_url=alertmanager_url, nvml=False)
     monitor = sdc.SDCMonitor(ddp, opt, loss_fn=loss_fn, config=config)
-    gen = torch.Generator().manual_seed(100 + rank)
-    for _ in range(4):
-        batch = (torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen))
-        with monitor.step(batch) as st:
-            st.backward(loss_fn(ddp, batch))
-        opt.step()
-        opt.zero_grad()
-    deadline = time.monotonic() + 20
-    while rank == 0 and time.monotonic() < deadline:
-        with urllib.request.urlopen(f"{alertmanager_url}/accepted", timeout=5) as r:
-            if json.loads(r.read())["accepted"] >= 1:
-                break
-        time.sleep(0.05)
+    _train(ddp, opt, monitor, rank, steps=4)
+    if rank == 0:
+        _wait_accepted(alertmanager_url, 20.0)
     dist.barrier()
     monitor.close()
     faults.close()
