@@ -142,6 +142,7 @@ class SDCMonitor:
                                    recompute=layout.recompute if layout.lockstep else None, every_step=triggers) \
             if replicas and (self.config.replay_every or triggers) and loss_fn is not None else None
         self._record = grad_check.GradRecord(self._params, self.device)
+        self._record.sketching = self.mode == "tolerance"
         self._outliers = OutlierTrigger() if triggers and self._replay is not None else None
         self._triggered = TriggeredAudits(self._replay, self.rank, lambda key, text: self._warn_once(
             key, "sdc_telemetry: %s", text)) if triggers and self._replay is not None else None

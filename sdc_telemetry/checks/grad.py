@@ -44,6 +44,7 @@ class GradRecord:
         self.norms = torch.zeros(len(params), dtype=torch.float32, device=device)
         self.fp: torch.Tensor | None = None  # (P, C) on audit steps
         self.sketch: torch.Tensor | None = None  # (P, sketch.WIDTH) on audit steps (tolerance mode's input)
+        self.sketching = True  # set False where the replay compares bits (exact mode): no sketch pass
         self.buckets = 0
         self.failed = False
         self.repeated = False
@@ -105,6 +106,7 @@ class GradRecord:
             if self.fp is None:
                 self.fp = torch.zeros((len(self._params), fps.shape[1]), dtype=torch.int64, device=self._device)
             self.fp.index_copy_(0, idx, fps)
+        if self.detail and self.sketching:  # tolerance mode compares sketches; exact mode needs none
             rows = sketch(fp_grads if fp_grads is not None else grads).to(self._device)
             if self.sketch is None:
                 self.sketch = torch.zeros((len(self._params), rows.shape[1]), dtype=torch.float64,
