@@ -18,7 +18,6 @@ loss, cannot make the ranks' collectives diverge.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 import time
@@ -242,10 +241,12 @@ class SDCMonitor:
             if majority is None or self.layout.shard_of is not None:  # no majority of whole tensors to certify
                 raise SDCDetected(incident)
             rows = [format_fingerprint(row) for row in majority]
-        return self._certified(WeightCertificate(
+        # The buffers are named, not fingerprinted, so that a full state_dict() verifies.
+        return WeightCertificate(
             step=step, fingerprints={n: row for (n, _), row in zip(named, rows, strict=True)},
             shapes={n: tuple(p.shape) for n, p in named},
-            dtypes={n: str(p.dtype).removeprefix("torch.") for n, p in named}, world_size=self._world))
+            dtypes={n: str(p.dtype).removeprefix("torch.") for n, p in named}, world_size=self._world,
+            last_passing_audit=self._last_passing_audit, buffers=tuple(n for n, _ in self.module.named_buffers()))
 
     def _whole_fingerprints(self, named: list[tuple[str, torch.nn.Parameter]]) -> list[str]:
         """Each parameter's fingerprint as a whole tensor, streamed: a sharded layout gathers one tensor at a time
@@ -253,12 +254,6 @@ class SDCMonitor:
         rows = [fingerprint([whole]) for _, whole in self.layout.whole(named)]
         host = torch.cat([r.to(self.device) for r in rows]).cpu().tolist() if rows else []
         return [format_fingerprint(row) for row in host]
-
-    def _certified(self, cert: WeightCertificate) -> WeightCertificate:
-        """The certificate with the last passing audit and the module's buffer names (not fingerprinted, so that a
-        full ``state_dict()`` verifies)."""
-        return dataclasses.replace(cert, last_passing_audit=self._last_passing_audit,
-                                   buffers=tuple(n for n, _ in self.module.named_buffers()))
 
     def close(self) -> None:
         """Remove the hooks, flush a pending page (bounded), mark telemetry closed. A second call does nothing.
