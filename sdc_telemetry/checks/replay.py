@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,43 +26,18 @@ import torch.distributed as dist
 
 from sdc_telemetry.checks.calibration import AUTO_FLOOR, Calibration, histogram, noise_median
 from sdc_telemetry.checks.pairing import Outcome, attribute, plan_pairs
+from sdc_telemetry.checks.recompute import Recompute, Recomputer, autocast_state, scaled
 from sdc_telemetry.checks.shipping import MicroBatch, check_shippable, exchange
-from sdc_telemetry.checks.sketch import WIDTH, sketch
 from sdc_telemetry.checks.sketch import delta as sketch_delta
 from sdc_telemetry.core.collective import agree, collective_device, gather_rows, sum_counts
 from sdc_telemetry.core.evidence import MAX_ITEMS, bits, json_float, unbits
 from sdc_telemetry.core.findings import Finding
-from sdc_telemetry.core.fingerprint import digest, fingerprint
 from sdc_telemetry.core.identity import RankIdentity
 
 __all__ = ["ReplayCheck", "Measurement", "Outcome", "attribute", "plan_pairs", "scaled", "check_shippable",
            "noise_median"]
 
-# A lockstep layout's recomputation (FSDP2): run_backward on every rank at once, with the accumulated local gradient
-# of each parameter returned (nothing reaches ``.grad``).
-Recompute = Callable[[Sequence[torch.nn.Parameter], Callable[[], None]], "list[torch.Tensor | None] | None"]
-
 _CALIBRATE_EVERY = 10  # audits between noise-floor recalibrations in tolerance="auto"
-
-
-def scaled(loss: torch.Tensor, scale: float, grad_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The tensor backpropagated for ``loss``; the step and the replay must build it identically.
-
-    ``grad_scale`` is a GradScaler's current scale: ``scaler.scale(loss * scale)`` multiplies by it in this order."""
-    out = loss if scale == 1.0 else loss * scale
-    if grad_scale is not None:
-        out = out * grad_scale.to(device=out.device, non_blocking=True)
-    return out
-
-
-@dataclass
-class _Result:
-    """What recomputing some micro-batches gave: per-micro-batch losses, total gradient fingerprint, norm sketch."""
-
-    losses: list[float]
-    fp: int
-    norms: torch.Tensor
-    sketch: torch.Tensor | None = None  # tolerance mode: per-parameter block sketches (checks/sketch.py)
 
 
 @dataclass(frozen=True)
@@ -86,11 +60,10 @@ class ReplayCheck:
                  every_step: bool = False) -> None:
         if loss_fn is None:
             raise ValueError("replay needs loss_fn(module, batch) -> scalar loss")
-        self._module = module
-        # Layouts whose recomputation runs collectives (FSDP2): every rank recomputes at once, through this.
-        self._lockstep = recompute
-        self._loss_fn = loss_fn
         self._params = [p for _, p in named_params]
+        # Layouts whose recomputation runs collectives (FSDP2): every rank recomputes at once, through ``recompute``.
+        self._lockstep = recompute
+        self._recomputer = Recomputer(module, loss_fn, self._params, device, mode, recompute)
         self._group = group
         self._ranks = list(ranks)
         self._pos = self._ranks.index(dist.get_rank())
@@ -101,7 +74,6 @@ class ReplayCheck:
         self._threshold = Calibration() if self._auto else None
         self._fixed = float(tolerance) if not self._auto else 0.0
         self._every = every
-        self._through_grad_fields = False  # recompute through .grad (reentrant checkpointing) instead of autograd.grad
         # Triggered audits: every step's micro-batches are kept (references to the batches, RNG states, losses),
         # so that an anomalous step can be replayed at once.
         self._every_step = every_step
@@ -109,7 +81,6 @@ class ReplayCheck:
         self._last_deltas: dict[str, dict[str, float | str]] = {}
         self._audits = 0
         self._capturing = False
-        self._replaying = False
         self._hook = module.register_forward_pre_hook(self._on_forward)
         self._micro: list[MicroBatch] = []
         self.errors: list[int] = []
@@ -152,13 +123,13 @@ class ReplayCheck:
             self._micro.append(MicroBatch(None, torch.empty(0), None, None))  # counts micro-batches only
             return
         dev_rng = torch.cuda.get_rng_state(self._device) if self._device.type == "cuda" else None
-        self._micro.append(MicroBatch(batch, torch.get_rng_state(), dev_rng, _autocast_state(self._device)))
+        self._micro.append(MicroBatch(batch, torch.get_rng_state(), dev_rng, autocast_state(self._device)))
 
     def _on_forward(self, *_: Any) -> None:
         """Forward pre-hook of the module: the autocast state the forward pass really runs under (users enter
         autocast around the forward and leave it before backward, so neither micro_batch() nor backward() sees it)."""
-        if self._capturing and not self._replaying and self._micro and self._micro[-1].loss is None:
-            state = _autocast_state(self._device)
+        if self._capturing and not self._recomputer.replaying and self._micro and self._micro[-1].loss is None:
+            state = autocast_state(self._device)
             if state is not None:
                 self._micro[-1].autocast = state
 
@@ -175,7 +146,7 @@ class ReplayCheck:
             mb.grad_scale = grad_scale.detach().clone() if grad_scale is not None else None
             mb.had_grad = [p.grad is not None for p in self._params]
             if mb.autocast is None:
-                mb.autocast = _autocast_state(self._device)
+                mb.autocast = autocast_state(self._device)
 
     # -- the audit (end of the step, before the update) ----------------------------------------------------------
 
@@ -339,7 +310,7 @@ class ReplayCheck:
             micro: list[MicroBatch] = record["micro"]
             if not micro:
                 raise RuntimeError("the origin rank captured no micro-batch for this audit step")
-            result = self._recompute(micro)
+            result = self._recomputer.run(micro)
             recorded_losses = _floats([m.loss for m in micro if m.loss is not None])  # one host copy
             loss_delta = max(_rel(a, b) for a, b in zip(result.losses, recorded_losses, strict=True))
             ref = record["norms"].double()
@@ -377,124 +348,6 @@ class ReplayCheck:
     def _collect_errors(self, rows: Sequence[Sequence[int]]) -> None:
         self.errors += [self._ranks[p] for p, r in enumerate(rows) if r[3] and self._ranks[p] not in self.errors]
 
-    # -- recomputation -------------------------------------------------------------------------------------------
-
-    def _recompute(self, micro: Sequence[MicroBatch]) -> _Result:
-        """Recompute losses and accumulated local gradients without touching .grad, buffers, RNG or DDP state."""
-        losses: list[torch.Tensor] = []
-        with self._preserved():
-            if self._lockstep is not None:
-                # FSDP2: forward and backward through the sharded model (every rank at once), gradient sync off,
-                # each parameter's unsharded gradient collected in the reduce dtype (what the tap recorded).
-                def run_backward() -> None:
-                    for mb in micro:
-                        loss = self._loss_of(mb)
-                        scaled(loss, mb.scale, mb.grad_scale).backward()  # type: ignore[no-untyped-call]
-                        losses.append(loss.detach().double())
-
-                accumulated = self._lockstep(self._params, run_backward)
-                assert accumulated is not None
-                return self._result(losses, accumulated)
-            if not self._through_grad_fields:
-                try:
-                    return self._result(losses, self._recompute_by_grad(micro, losses))
-                except RuntimeError as e:
-                    if "checkpoint" not in str(e).lower():
-                        raise
-                    # Reentrant activation checkpointing runs its own backward into .grad and refuses
-                    # autograd.grad(): from now on this model is recomputed through .grad, saved and restored.
-                    self._through_grad_fields = True
-                    losses.clear()
-            return self._result(losses, self._recompute_by_backward(micro, losses))
-
-    def _recompute_by_grad(self, micro: Sequence[MicroBatch], losses: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """autograd.grad: nothing is accumulated anywhere (no .grad, no accumulation hooks such as DDP's)."""
-        total: list[torch.Tensor | None] = [None] * len(self._params)
-        for mb in micro:
-            loss = self._loss_of(mb)
-            grads = torch.autograd.grad(scaled(loss, mb.scale, mb.grad_scale), self._params, allow_unused=True)
-            for i, grad in enumerate(grads):
-                if grad is not None:
-                    prev = total[i]
-                    if prev is None and mb.had_grad is not None and mb.had_grad[i]:
-                        prev = torch.zeros_like(grad)  # zero_grad(set_to_none=False): .grad = 0.0 + g
-                    total[i] = grad if prev is None else prev + grad  # the order autograd accumulates .grad in
-            losses.append(loss.detach().double())
-        return total
-
-    def _recompute_by_backward(self, micro: Sequence[MicroBatch], losses: list[torch.Tensor]
-                               ) -> list[torch.Tensor | None]:
-        """backward() into .grad, which is saved before and restored after, exactly (the same tensors)."""
-        saved = [p.grad for p in self._params]
-        try:
-            for i, p in enumerate(self._params):
-                had = micro[0].had_grad is not None and micro[0].had_grad[i]
-                p.grad = torch.zeros_like(p) if had else None  # zero_grad(set_to_none=False) leaves zeros
-            for mb in micro:
-                loss = self._loss_of(mb)
-                scaled(loss, mb.scale, mb.grad_scale).backward()  # type: ignore[no-untyped-call]
-                losses.append(loss.detach().double())
-            return [p.grad for p in self._params]
-        finally:
-            for p, g in zip(self._params, saved, strict=True):
-                p.grad = g
-
-    def _loss_of(self, mb: MicroBatch) -> torch.Tensor:
-        """The micro-batch's loss under the origin's RNG and autocast state."""
-        torch.set_rng_state(mb.cpu_rng)
-        if mb.dev_rng is not None and self._device.type == "cuda":
-            torch.cuda.set_rng_state(mb.dev_rng, self._device)
-        ctx = (torch.autocast(self._device.type, dtype=mb.autocast[1])
-               if mb.autocast is not None and mb.autocast[0] else nullcontext())
-        with torch.enable_grad(), ctx:
-            return self._loss_fn(self._module, mb.batch)
-
-    @contextmanager
-    def _preserved(self) -> Iterator[None]:
-        """Buffers and RNG states as they were before the recomputation, whatever happens in it."""
-        cpu_rng = torch.get_rng_state()
-        dev_rng = torch.cuda.get_rng_state(self._device) if self._device.type == "cuda" else None
-        buffers = [(b, b.detach().clone()) for b in self._module.buffers()]
-        self._replaying = True
-        try:
-            yield
-        finally:
-            self._replaying = False
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
-            torch.set_rng_state(cpu_rng)
-            if dev_rng is not None:
-                torch.cuda.set_rng_state(dev_rng, self._device)
-
-    def _result(self, losses: list[torch.Tensor], total: Sequence[torch.Tensor | None]) -> _Result:
-        fps = torch.zeros((len(self._params), 1), dtype=torch.int64, device=self._device)
-        # A trainable parameter without a gradient in this step (unused with find_unused_parameters=True, an expert
-        # that got no token) was reduced as zeros: the origin's local gradient record holds a zero slot for it.
-        total = [g if g is not None or self._lockstep is not None else torch.zeros_like(p)
-                 for g, p in zip(total, self._params, strict=True)]
-        present = [(i, g) for i, g in enumerate(total) if g is not None]
-        if present:
-            rows = fingerprint([g for _, g in present]).to(self._device)
-            if rows.shape[1] != fps.shape[1]:
-                fps = torch.zeros((len(self._params), rows.shape[1]), dtype=torch.int64, device=self._device)
-            fps[torch.tensor([i for i, _ in present], device=self._device)] = rows
-        # Everything stays on the device until one copy to the host at the end: O(1) synchronisations per audit,
-        # not one per parameter or micro-batch.
-        norms = torch.zeros(len(self._params), dtype=torch.float32, device=self._device)
-        if present:
-            norms[[i for i, _ in present]] = torch.stack(
-                [torch.linalg.vector_norm(g, dtype=torch.float32) for _, g in present]).to(self._device)
-        sketch_rows = torch.zeros((len(self._params), WIDTH), dtype=torch.float64, device=self._device)
-        if self.mode == "tolerance" and present:
-            sketch_rows[[i for i, _ in present]] = sketch([g for _, g in present]).to(self._device)
-        scalars = [digest(fps).reshape(1).view(torch.float64)]  # the digest's bits, reinterpreted, not converted
-        scalars += [loss.reshape(1).to(self._device) for loss in losses]
-        host = torch.cat(scalars).cpu()
-        fp = int(host[:1].view(torch.int64).item())
-        return _Result([float(x) for x in host[1:].tolist()], fp, norms.cpu(),
-                       sketch_rows.cpu() if self.mode == "tolerance" else None)
-
     def _exchange(self, mine: dict[str, Any], send_to: int, recv_from: int) -> dict[str, Any] | None:
         """Send this rank's record to ``send_to`` and receive ``recv_from``'s (group positions), point-to-point."""
         theirs, error = exchange(mine, self._ranks[send_to], self._ranks[recv_from], self._group, self._wire,
@@ -502,16 +355,6 @@ class ReplayCheck:
         if error:
             self.error_text = error
         return theirs
-
-
-def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype] | None:
-    kind = device.type
-    try:
-        if torch.is_autocast_enabled(kind):
-            return True, torch.get_autocast_dtype(kind)
-    except (RuntimeError, TypeError):
-        pass
-    return None
 
 
 def _floats(values: Sequence[torch.Tensor]) -> list[float]:
