@@ -69,7 +69,9 @@ class SDCMonitor:
 
     Construction, the end of every step, ``verify_weights()`` and ``certificate()`` are collective: every rank of
     the replica group calls them in the same order. ``start_step`` is the index of the first step (resume).
-    ``replica_group`` defaults to the DDP model's process group. If the model already needs a comm hook, pass it as
+    ``replica_group`` defaults to the DDP model's process group. ``mesh`` is the world DeviceMesh of an N-D model
+    (tensor/context parallelism with FSDP2/HSDP, torchtitan's dim names); by default it comes from the parameters.
+    If the model already needs a comm hook, pass it as
     ``comm_hook=`` (with ``comm_state=``) instead of registering it: the monitor wraps it. ``sinks`` replaces what
     the config would build (``sdc_telemetry.sinks.Sinks``); ``observer`` replaces only the telemetry, and
     ``registry``, ``meter_provider`` and ``nvml`` are handed to the telemetry the config builds.
@@ -78,11 +80,11 @@ class SDCMonitor:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: LossFn | None = None, config: SDCConfig | None = None, *, start_step: int = 0,
                  replica_group: dist.ProcessGroup | None = None, comm_hook: Any = None, comm_state: Any = None,
-                 sinks: Sinks | None = None, observer: Observer | None = None, registry: Any = None,
+                 mesh: Any = None, sinks: Sinks | None = None, observer: Observer | None = None, registry: Any = None,
                  meter_provider: Any = None, nvml: Any = None) -> None:
         self._closed = True  # until construction succeeds: close() then does nothing
         self.layout = layout = layout_for(model, replica_group=replica_group, comm_hook=comm_hook,
-                                          comm_state=comm_state)
+                                          comm_state=comm_state, mesh=mesh)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
@@ -138,7 +140,8 @@ class SDCMonitor:
         triggers = self.config.trigger_audits and self.config.grad_checks
         self._replay = ReplayCheck(self.module, loss_fn, named, layout.group, self._ranks, self.identities,
                                    self.device, self.mode, self.config.tolerance, self.config.replay_every,
-                                   recompute=layout.recompute if layout.lockstep else None, every_step=triggers) \
+                                   recompute=layout.recompute if layout.lockstep else None, every_step=triggers,
+                                   units=layout.replay_units()) \
             if replicas and (self.config.replay_every or triggers) and loss_fn is not None else None
         self._record = grad_check.GradRecord(self._params, self.device)
         self._record.sketching = self.mode == "tolerance"
@@ -484,6 +487,8 @@ class SDCMonitor:
                   errors: tuple[str, ...] = ()) -> list[Incident]:
         """Episodes, then the sinks (log line, incident log, page, telemetry), then ``SDCDetected`` on every rank
         when configured."""
+        for f in findings:
+            self._add_coordinates(f)
         opened, touched = self._episodes.observe(m.step, findings, passed, self._suspects)
         if opened and any(i.suspect_ranks for i in opened):
             self._attach_gpu_counters(opened)
@@ -503,6 +508,14 @@ class SDCMonitor:
             self._abandoned = True  # the loop stops: close() must not run collectives the others never join
             raise SDCDetected(raising[0], raising)
         return opened
+
+    def _add_coordinates(self, finding: Finding) -> None:
+        """N-D layouts: the suspects' mesh coordinates (``{"pp": 1, "dp_replicate": 0, "tp": 1}``) in the evidence."""
+        coords = {r: c for r in finding.suspect_ranks[:16] if (c := self.layout.coordinate_of(r)) is not None}
+        if coords:
+            finding.evidence["coordinate"] = coords[finding.suspect_ranks[0]] if finding.suspect_ranks[0] in coords \
+                else next(iter(coords.values()))
+            finding.evidence["coordinates"] = {str(r): c for r, c in coords.items()}
 
     def _suspects(self, ranks: tuple[int, ...]) -> tuple[RankIdentity, ...]:
         return tuple(self.identities.get(r, RankIdentity(r, -1, "unknown", "unknown")) for r in ranks)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Outcome", "Pairing", "attribute", "plan_pairs"]
+__all__ = ["Outcome", "Pairing", "ReplicaPairing", "attribute", "plan_pairs", "plan_replica_pairs"]
 
 _MAX_SHIFTS = 16       # shifts kept in the rotation
 _MAX_CANDIDATES = 64   # shifts examined (each costs O(W)): set-up stays O(W log W) at any world size
@@ -74,13 +74,60 @@ def plan_pairs(hosts: Sequence[str]) -> Pairing:
     return Pairing(tuple(order), tuple(index), tuple(shifts))
 
 
-def attribute(outcome: Outcome) -> tuple[tuple[int, ...], dict[str, Any]]:
+@dataclass(frozen=True)
+class ReplicaPairing:
+    """Pairs of replicas lifted to positions: where several ranks compute one micro-batch together (tensor, context
+    or pipeline parallelism), the replica at order index ``i`` replays the replica at ``i + s``, and each position
+    replays the position of the same slot (coordinate) in that replica."""
+
+    replicas: Pairing                      # over replica indices
+    replica_of: tuple[int, ...]            # position -> replica index
+    slot_of: tuple[int, ...]               # position -> slot within its replica
+    at: dict[tuple[int, int], int]         # (replica, slot) -> position
+
+    @property
+    def shifts(self) -> tuple[int, ...]:
+        return self.replicas.shifts
+
+    def origin(self, pos: int, shift: int) -> int:
+        return self.at[(self.replicas.origin(self.replica_of[pos], shift), self.slot_of[pos])]
+
+    def replayer(self, pos: int, shift: int) -> int:
+        return self.at[(self.replicas.replayer(self.replica_of[pos], shift), self.slot_of[pos])]
+
+
+def plan_replica_pairs(hosts: Sequence[str], replica_of: Sequence[int], slot_of: Sequence[int]) -> ReplicaPairing:
+    """``plan_pairs`` over replicas, a replica standing for the set of hosts its ranks run on: a replica is paired
+    with one on other hosts where possible, so that no coordinate is checked by a rank of the same host.
+
+    >>> p = plan_replica_pairs(["a", "a", "b", "b"], [0, 0, 1, 1], [0, 1, 0, 1])
+    >>> [p.origin(pos, p.shifts[0]) for pos in range(4)]
+    [2, 3, 0, 1]
+    """
+    at = {(r, s): p for p, (r, s) in enumerate(zip(replica_of, slot_of, strict=True))}
+    count = max(replica_of, default=-1) + 1
+    slots = [{s for r, s in at if r == i} for i in range(count)]
+    if len(at) != len(replica_of) or any(sl != slots[0] for sl in slots):
+        raise ValueError("every replica must hold the same coordinates, each on one rank")
+    per: list[set[str]] = [set() for _ in range(count)]
+    for pos, r in enumerate(replica_of):
+        per[r].add(hosts[pos])
+    return ReplicaPairing(plan_pairs(["+".join(sorted(h)) for h in per]), tuple(replica_of), tuple(slot_of), at)
+
+
+def attribute(outcome: Outcome, replica_of: Sequence[int] | None = None) -> tuple[tuple[int, ...], dict[str, Any]]:
     """Suspect positions and the reasoning, from mismatching pairs and same-rank reruns.
 
     - A rank that cannot reproduce its own recorded result is the suspect (a transient fault).
     - Otherwise (persistent): the rank common to every mismatching pair; with 2 replicas, or when no single rank
       explains every pair, the incident is ambiguous and names the candidates.
+
+    ``replica_of`` (N-D layouts): positions belong to replicas that compute a micro-batch together, and a fault on
+    one coordinate spreads to the others through the replica's collectives, so the reasoning runs on replicas; the
+    suspects are the positions of the suspect replica whose own comparisons mismatched (or did not reproduce).
     """
+    if replica_of is not None:
+        return _attribute_replicas(outcome, replica_of)
     not_reproduced = sorted(p for p, ok in outcome.reproduced.items() if not ok)
     if 2 * len(not_reproduced) > outcome.world:
         return (), {"fault": "unfaithful", "ambiguous": True,
@@ -105,3 +152,20 @@ def attribute(outcome: Outcome) -> tuple[tuple[int, ...], dict[str, Any]]:
     reason = ("two replicas disagree and each reproduces itself: no referee" if outcome.world == 2
               else "no single rank explains every mismatching pair")
     return names, {"fault": "persistent", "ambiguous": True, "reason": reason}
+
+
+def _attribute_replicas(outcome: Outcome, replica_of: Sequence[int]) -> tuple[tuple[int, ...], dict[str, Any]]:
+    count = max(replica_of, default=-1) + 1
+    edges = sorted({(replica_of[a], replica_of[b]) for a, b in outcome.edges})
+    reproduced: dict[int, bool] = {}
+    for p, ok in outcome.reproduced.items():
+        reproduced[replica_of[p]] = reproduced.get(replica_of[p], True) and ok
+    names, why = attribute(Outcome(count, edges, reproduced))
+    if not names or why.get("fault") == "unfaithful":
+        return (), why
+    suspects = set(names)
+    if why.get("fault") == "transient":
+        chosen = [p for p, ok in outcome.reproduced.items() if not ok and replica_of[p] in suspects]
+    else:
+        chosen = [p for e in outcome.edges for p in e if replica_of[p] in suspects]
+    return tuple(sorted(set(chosen))), why

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from sdc_telemetry.checks.calibration import AUTO_FLOOR, Calibration, histogram, noise_median
-from sdc_telemetry.checks.pairing import Outcome, attribute, plan_pairs
+from sdc_telemetry.checks.pairing import Outcome, attribute, plan_pairs, plan_replica_pairs
 from sdc_telemetry.checks.recompute import Recompute, Recomputer, autocast_state, scaled
 from sdc_telemetry.checks.shipping import MicroBatch, check_shippable, exchange
 from sdc_telemetry.checks.sketch import delta as sketch_delta
@@ -57,7 +57,8 @@ class ReplayCheck:
                  named_params: Sequence[tuple[str, torch.nn.Parameter]], group: dist.ProcessGroup | None,
                  ranks: Sequence[int], identities: dict[int, RankIdentity], device: torch.device, mode: str,
                  tolerance: float | str, every: int, recompute: Recompute | None = None,
-                 every_step: bool = False) -> None:
+                 every_step: bool = False, units: tuple[list[int], list[int]] | None = None,
+                 coordinate_of: Callable[[int], dict[str, int] | None] | None = None) -> None:
         if loss_fn is None:
             raise ValueError("replay needs loss_fn(module, batch) -> scalar loss")
         self._params = [p for _, p in named_params]
@@ -77,7 +78,14 @@ class ReplayCheck:
         # Triggered audits: every step's micro-batches are kept (references to the batches, RNG states, losses),
         # so that an anomalous step can be replayed at once.
         self._every_step = every_step
-        self._pairs = plan_pairs([identities[r].host_name if r in identities else str(r) for r in self._ranks])
+        hosts = [identities[r].host_name if r in identities else str(r) for r in self._ranks]
+        self._hosts = hosts
+        # N-D layouts: the ranks of a replica compute one micro-batch together; replicas are paired, and each
+        # position replays the same coordinate of the partner replica.
+        self._replica_of = units[0] if units is not None else None
+        self._replica_count = max(units[0]) + 1 if units is not None else len(self._ranks)
+        self._pairs = plan_replica_pairs(hosts, *units) if units is not None else plan_pairs(hosts)
+        self._coordinate_of = coordinate_of
         self._last_deltas: dict[str, dict[str, float | str]] = {}
         self._audits = 0
         self._capturing = False
@@ -199,14 +207,15 @@ class ReplayCheck:
             return None, measured
         # Rare path: a mismatch. Same-rank reruns, and with 3 or more ranks a referee round with another shift.
         outcome.reproduced = self._self_round(mine)
-        others = (s for s in (*self._pairs.shifts, *range(1, world)) if s != shift)
-        referee = next(others, None) if world >= 3 else None
+        replicas = self._replica_count
+        others = (s for s in (*self._pairs.shifts, *range(1, replicas)) if s != shift)
+        referee = next(others, None) if replicas >= 3 else None
         if referee is not None:
             more, _ = self._cross_round(referee, mine)
             outcome.edges += more
         if self.errors:
             return None, measured
-        suspects, why = attribute(outcome)
+        suspects, why = attribute(outcome, self._replica_of)
         if why.get("fault") == "unfaithful":  # most ranks cannot reproduce themselves: replay is wrong, not hardware
             self.errors = list(self._ranks)
             self.error_text = ("replay could not reproduce the recorded step on most ranks (an unsupported pattern: "
@@ -227,6 +236,12 @@ class ReplayCheck:
             "deltas": self._last_deltas,
             "verdict": "transient" if why.get("fault") == "transient" else "persistent",
         })
+        if len(suspects) > 1 and not evidence.get("ambiguous") and len({self._hosts[p] for p in suspects}) > 1:
+            # One replica is wrong, but its coordinates share activations and gradients through tensor, context or
+            # pipeline collectives: a fault on one spreads to the others, so which host computed it is not known.
+            evidence["ambiguous"] = True
+            evidence["reason"] = ("one replica disagrees on several coordinates, on several hosts: the fault spreads "
+                                  "through the replica's collectives, so which host computed it wrongly is not known")
         return Finding("replay", tuple(self._ranks[p] for p in suspects), evidence), measured
 
     def _cross_round(self, shift: int, mine: dict[str, Any], calibrate: bool = False

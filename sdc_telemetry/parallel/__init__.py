@@ -2,7 +2,8 @@
 
 ``layout_for(model, ...)`` picks the adapter; the monitor then asks the layout (``parallel.base.Layout``) and never
 the model's type. Adapters: ``single`` (one process), ``ddp`` (DistributedDataParallel), ``fsdp`` (fully_shard on a
-1-D mesh), ``hsdp`` (fully_shard on a 2-D (replicate, shard) mesh).
+1-D mesh), ``hsdp`` (fully_shard on a 2-D (replicate, shard) mesh), ``mesh`` (N-D: tensor and context parallelism
+with FSDP2/HSDP on one DeviceMesh).
 """
 
 from __future__ import annotations
@@ -19,26 +20,35 @@ __all__ = ["layout_for", "Layout", "LayoutError", "GradSink"]
 
 
 def layout_for(model: torch.nn.Module, *, replica_group: dist.ProcessGroup | None = None,
-               comm_hook: Any = None, comm_state: Any = None) -> Layout:
+               comm_hook: Any = None, comm_state: Any = None, mesh: Any = None) -> Layout:
     """The adapter for ``model``, or a clear error naming what is not supported and how to fix it."""
     initialised = dist.is_available() and dist.is_initialized()
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (DistributedDataParallel-wrapped across ranks), got "
                         f"{type(model).__name__}")
     from sdc_telemetry.parallel import fsdp
+    from sdc_telemetry.parallel import mesh as nd
 
-    if fsdp.is_fully_sharded(model):
+    if fsdp.is_fully_sharded(model) or (mesh is not None and initialised):
         if not initialised:
             raise RuntimeError("SDCMonitor needs the initialised process group of the fully_shard-ed model")
         if comm_hook is not None or replica_group is not None:
             raise ValueError("comm_hook= and replica_group= are for DDP models; a fully_shard-ed model's groups "
                              "come from its device mesh")
+        if nd.is_nd(model, mesh):
+            return nd.MeshLayout(model, mesh)
         mesh = fsdp.layout_of(model)
         if mesh.hsdp:
             from sdc_telemetry.parallel.hsdp import HSDP
 
             return HSDP(model, mesh)
         return fsdp.FSDP(model, mesh)
+    if mesh is not None:
+        raise ValueError("mesh= describes a model parallelised on a DeviceMesh (DTensor parameters); this model has "
+                         "none")
+    if nd.is_nd(model, None):
+        raise LayoutError("the model has DTensor parameters (tensor parallelism) but no fully_shard: apply "
+                          "fully_shard over the data-parallel dims (torchtitan's dp_shard) to every block and the root")
     if isinstance(model, DistributedDataParallel):
         if not initialised:
             raise RuntimeError("SDCMonitor needs an initialised process group for a DDP model: call "

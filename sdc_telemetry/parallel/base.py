@@ -75,6 +75,8 @@ class Layout:
         self.world = len(self.ranks)
         self.position = self.ranks.index(rank)
         self.shard_of: list[int] | None = None
+        # N-D layouts: every position's mesh coordinate (``parallel.coordinates.Coordinates``); None when flat.
+        self.coordinates: Any = None
 
     # -- who holds what ------------------------------------------------------------------------------------------
 
@@ -106,6 +108,21 @@ class Layout:
     def weight_classes(self, classes: Sequence[int] | None) -> list[Any] | None:
         """Per position, the class of ranks whose weights must be bit-identical (numerics signature, shard)."""
         return list(classes) if classes is not None else None
+
+    def coordinate_of(self, rank: int) -> dict[str, int] | None:
+        """The mesh coordinate of ``rank`` (N-D layouts, for evidence and pages), or None for a flat layout."""
+        if self.coordinates is None or rank not in self.ranks:
+            return None
+        return dict(self.coordinates.of[self.ranks.index(rank)])
+
+    def replay_units(self) -> tuple[list[int], list[int]] | None:
+        """By position: (replica index, slot within the replica) when several ranks compute one micro-batch together
+        (tensor, context or pipeline parallelism): the replay pairs replicas and each slot compares with the same
+        slot. None: every rank computes its own micro-batch (positions are paired directly)."""
+        if self.coordinates is None:
+            return None
+        c = self.coordinates
+        return list(c.replica_of), [c.slot_of(p) for p in range(self.world)]
 
     # -- the rare path's gathers -----------------------------------------------------------------------------------
 

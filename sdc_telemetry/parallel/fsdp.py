@@ -38,7 +38,7 @@ import torch.distributed as dist
 from sdc_telemetry.core.collective import gather_rows
 from sdc_telemetry.parallel.base import GradSink, Layout, LayoutError, world_ranks
 
-__all__ = ["FSDP", "FSDPLayout", "is_fully_sharded", "layout_of", "GradTap", "recompute_grads"]
+__all__ = ["FSDP", "FSDPLayout", "is_fully_sharded", "layout_of", "fsdp_groups", "GradTap", "recompute_grads"]
 
 
 def _fsdp_module_type() -> type | None:
@@ -105,6 +105,19 @@ def layout_of(model: torch.nn.Module) -> FSDPLayout:
     if shard_size < 2:
         raise LayoutError("a shard dimension of size 1 does not reduce-scatter (FSDP copies the gradients), so local "
                           "gradients cannot be observed: use DistributedDataParallel for pure replication")
+    groups = fsdp_groups(model)
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None
+    return FSDPLayout(shard_group=mesh.get_group(shard_dim), shard_size=shard_size,
+                      shard_index=coordinate[shard_dim],
+                      replicate_group=mesh.get_group(rep_dim) if rep_dim is not None else None,
+                      replicas=mesh.size(rep_dim) if rep_dim is not None else 1, groups=tuple(groups))
+
+
+def fsdp_groups(model: torch.nn.Module) -> list[tuple[Any, Any]]:
+    """Every (FSDPModule, FSDPParamGroup) of a fully_shard-ed model that owns parameters, in module order."""
+    fsdp = _fsdp_module_type()
+    assert fsdp is not None
     groups = []
     for m in model.modules():
         if isinstance(m, fsdp):
@@ -113,12 +126,9 @@ def layout_of(model: torch.nn.Module) -> FSDPLayout:
                 raise LayoutError(f"{type(m).__name__} has {len(owned)} FSDP parameter groups (shard_placement_fn or "
                                   "per-parameter meshes): not supported")
             groups += [(m, pg) for pg in owned]
-    coordinate = mesh.get_coordinate()
-    assert coordinate is not None
-    return FSDPLayout(shard_group=mesh.get_group(shard_dim), shard_size=shard_size,
-                      shard_index=coordinate[shard_dim],
-                      replicate_group=mesh.get_group(rep_dim) if rep_dim is not None else None,
-                      replicas=mesh.size(rep_dim) if rep_dim is not None else 1, groups=tuple(groups))
+    if not groups:
+        raise LayoutError("no FSDP parameter group owns parameters: apply fully_shard to the modules with parameters")
+    return groups
 
 
 class GradTap:

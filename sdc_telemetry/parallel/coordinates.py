@@ -1,0 +1,99 @@
+"""Mesh coordinates of N-D parallel layouts: which ranks form a replica, which hold the same shard.
+
+Dimension names are torchtitan's: ``pp`` (pipeline stage), ``dp_replicate`` (data-parallel replicas that hold the
+same shards), ``dp_shard`` (data-parallel ranks that shard the parameters: FSDP), ``cp`` (context parallel: one
+micro-batch's sequence split across ranks), ``tp`` (tensor parallel).
+
+Two derived indices drive every check:
+
+- **replica**: the data-parallel index ``(dp_replicate, dp_shard)``. The ranks with the same replica index compute
+  one micro-batch together (every pp/cp/tp coordinate), so a replay pairs replicas: the ranks of one replica
+  recompute another replica's micro-batches, each coordinate the same coordinate's.
+- **shard key**: ``(pp, dp_shard, cp, tp)``. Ranks with the same key hold the same parameter shard: the weight vote
+  and the reduced-gradient comparison run among them, which are the ``dp_replicate`` replicas of the shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sdc_telemetry.core.collective import gather_rows
+from sdc_telemetry.parallel.base import LayoutError
+
+__all__ = ["DIMS", "Coordinates", "check_dims"]
+
+#: the dimension names understood, outermost first (torchtitan's order)
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+_REPLICA = ("dp_replicate", "dp_shard")
+_SHARD = ("pp", "dp_shard", "cp", "tp")
+_WHY = {"ep": "expert parallelism (experts sharded over ranks: tokens move between replicas' ranks)",
+        "etp": "expert tensor parallelism", "dp": "a plain 'dp' dimension: name it dp_replicate or dp_shard",
+        "fsdp": "name the FSDP dimension dp_shard"}
+
+
+def check_dims(names: Sequence[str] | None) -> None:
+    """Refuse, by name, mesh dimensions this monitor does not cover."""
+    if not names:
+        raise LayoutError("the device mesh has no dimension names: name its dimensions with torchtitan's names "
+                          f"{', '.join(DIMS)} (init_device_mesh(..., mesh_dim_names=...))")
+    for n in names:
+        if n not in DIMS:
+            why = _WHY.get(n, "an unknown dimension")
+            raise LayoutError(f"mesh dimension {n!r} is not supported ({why}); supported: {', '.join(DIMS)}")
+    if len(set(names)) != len(names):
+        raise LayoutError(f"mesh dimension names repeat: {tuple(names)}")
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    """Every position's coordinate (gathered once at set-up), with the derived replica and shard-key indices."""
+
+    sizes: dict[str, int]                     # dimension -> size (every name of DIMS; 1 where absent)
+    mine: dict[str, int]                      # this rank's coordinate (the dimensions present)
+    present: tuple[str, ...]                  # the dimensions of the mesh, in DIMS order
+    of: tuple[dict[str, int], ...]            # by group position: its coordinate
+    replica_of: tuple[int, ...]               # by group position: its replica index
+    key_of: tuple[int, ...]                   # by group position: its shard key
+
+    @classmethod
+    def gather(cls, sizes: Mapping[str, int], mine: Mapping[str, int], device: torch.device) -> Coordinates:
+        """Collective on the default group (set-up, once): every rank's coordinate."""
+        check_dims(list(sizes))
+        full = {d: int(sizes.get(d, 1)) for d in DIMS}
+        row = torch.tensor([int(mine.get(d, 0)) for d in DIMS], dtype=torch.int64)
+        rows = gather_rows(row, None, device)
+        present = tuple(d for d in DIMS if d in sizes)
+        of = tuple({d: r[i] for i, d in enumerate(DIMS) if d in present} for r in rows)
+        replica_of = tuple(_flat(c, _REPLICA, full) for c in of)
+        key_of = tuple(_flat(c, _SHARD, full) for c in of)
+        seen = {(replica_of[p], key_of[p]) for p in range(len(of))}
+        if len(seen) != len(of):
+            raise LayoutError("two ranks claim the same mesh coordinate: the mesh does not describe this job")
+        return cls(full, {d: int(mine.get(d, 0)) for d in present}, present, of, replica_of, key_of)
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas (dp_replicate x dp_shard): the units a replay pairs."""
+        return self.sizes["dp_replicate"] * self.sizes["dp_shard"]
+
+    @property
+    def keys(self) -> int:
+        """Distinct shard keys (pp x dp_shard x cp x tp): one weight-digest slot each."""
+        return self.sizes["pp"] * self.sizes["dp_shard"] * self.sizes["cp"] * self.sizes["tp"]
+
+    def slot_of(self, position: int) -> int:
+        """The coordinate of ``position`` within its replica (pp, cp, tp): the same slot in every replica."""
+        return _flat(self.of[position], ("pp", "cp", "tp"), self.sizes)
+
+    def describe(self) -> str:
+        return " x ".join(f"{d}={self.sizes[d]}" for d in self.present)
+
+
+def _flat(coord: Mapping[str, int], dims: Sequence[str], sizes: Mapping[str, int]) -> int:
+    out = 0
+    for d in dims:
+        out = out * sizes[d] + coord.get(d, 0)
+    return out

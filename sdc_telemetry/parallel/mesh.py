@@ -1,0 +1,171 @@
+"""N-D parallelism on a DeviceMesh: tensor and context parallelism with FSDP2/HSDP over the data-parallel dims.
+
+The model is what torchtitan builds: ``parallelize_module`` over ``mesh["tp"]`` (DTensor tensor parallelism),
+optionally context parallelism over ``mesh["cp"]``, then ``fully_shard`` over the data-parallel dims
+(``mesh["dp_shard"]``, ``mesh["dp_replicate", "dp_shard"]``, or a flattened ``dp_shard_cp``). The world mesh comes
+from the parameters (the root of their DTensor meshes) or from ``SDCMonitor(..., mesh=world_mesh)``; a context
+parallel dimension never shows in the parameters' placements, so a mesh with ``cp`` must be passed explicitly.
+
+What each check compares (``parallel.coordinates``):
+
+- ``grad_local``: each FSDP parameter group's reduce-scatter input is tapped as in ``parallel.fsdp``: the local
+  gradients of this rank's tensor-parallel shard, before the data-parallel reduction. ``grad_reduced``: the reduced
+  shards are compared among the ranks that hold the same shard (same pp/dp_shard/cp/tp coordinate).
+- ``weights``: among the ``dp_replicate`` replicas of each shard key, one digest slot per key in the status vector
+  (the vector's size depends on the mesh's non-replicated dims, never on the number of replicas).
+- ``replay``: the ranks of a partner data-parallel replica recompute the origin replica's micro-batches together,
+  every tp/cp coordinate at once (their tensor- and context-parallel collectives line up within the replica, the
+  FSDP all-gathers across replicas), and each coordinate compares its local gradients and loss with the origin's
+  same coordinate. RNG states travel coordinate to coordinate: DTensor's parallel RNG tracker (torch 2.13) keeps
+  its offsets in the device generator, which travels with the micro-batch.
+
+Refused by name: pipeline dims without ``pipeline=`` (``parallel.pipeline``), expert parallelism, tensor
+parallelism without ``fully_shard`` (DDP over DTensor parameters), a data-parallel shard dimension of size 1
+(``replicate()``-style pure replication of a tensor-parallel model: FSDP then copies gradients instead of
+reduce-scattering them, so local gradients cannot be observed), several FSDP parameter groups per module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sdc_telemetry.parallel.base import LayoutError, world_ranks
+from sdc_telemetry.parallel.coordinates import DIMS, Coordinates, check_dims
+from sdc_telemetry.parallel.fsdp import FSDP, FSDPLayout, fsdp_groups
+
+__all__ = ["MeshLayout", "is_nd", "world_mesh"]
+
+
+def _dtensor_params(model: torch.nn.Module) -> list[Any]:
+    from torch.distributed.tensor import DTensor
+
+    return [p for p in model.parameters() if isinstance(p, DTensor)]
+
+
+def world_mesh(model: torch.nn.Module) -> Any:
+    """The root DeviceMesh of the model's DTensor parameters (one for all), or ``LayoutError``."""
+    params = _dtensor_params(model)
+    if not params:
+        raise LayoutError("no DTensor parameters: pass mesh= or apply fully_shard/parallelize_module first")
+    roots = {id(r): r for r in (p.device_mesh._get_root_mesh() for p in params)}
+    if len(roots) != 1:
+        raise LayoutError(f"the parameters live on {len(roots)} different root device meshes: build every "
+                          "parallelism from one world mesh (init_device_mesh) and slice it")
+    return next(iter(roots.values()))
+
+
+def is_nd(model: torch.nn.Module, mesh: Any) -> bool:
+    """An N-D layout (this adapter) rather than plain FSDP2/HSDP: an explicit mesh, or parameters on a mesh with a
+    tp/cp/pp dimension, more than two dimensions, or several meshes."""
+    if mesh is not None:
+        return True
+    params = _dtensor_params(model)
+    if not params:
+        return False
+    meshes = {id(p.device_mesh) for p in params}
+    root = params[0].device_mesh._get_root_mesh()
+    names = root.mesh_dim_names or ()
+    return len(meshes) > 1 or root.ndim > 2 or bool({"tp", "cp", "pp"} & set(names))
+
+
+class MeshLayout(FSDP):
+    """A fully_shard-ed model with tensor and/or context parallel dims on one world DeviceMesh."""
+
+    name = "nd"
+
+    def __init__(self, model: torch.nn.Module, mesh: Any = None, *, pipeline: bool = False) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks, rank = world_ranks()
+        super(FSDP, self).__init__(model, model, None, ranks, rank)  # collectives on the default group
+        if mesh is not None and not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"mesh= must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+        root = mesh._get_root_mesh() if mesh is not None else world_mesh(model)
+        names = tuple(root.mesh_dim_names or ())
+        check_dims(names)
+        sizes = {n: root.size(i) for i, n in enumerate(names)}
+        if sizes.get("pp", 1) > 1 and not pipeline:
+            raise LayoutError("the mesh has a pipeline dimension 'pp': this module is one pipeline stage; pass the "
+                              "schedule: SDCMonitor(stage_module, optimizer, pipeline=schedule, ...)")
+        if root.size() != dist.get_world_size():
+            raise LayoutError(f"the device mesh covers {root.size()} of {dist.get_world_size()} ranks: pass the world "
+                              "mesh (every rank), not a slice of it")
+        for p in _dtensor_params(model):
+            if p.device_mesh._get_root_mesh() != root:
+                raise LayoutError("a parameter lives on a device mesh outside the given mesh: pass the world mesh "
+                                  "the model was parallelised on")
+        from sdc_telemetry.parallel.fsdp import _fsdp_module_type
+
+        fsdp_type = _fsdp_module_type()
+        if fsdp_type is None or not isinstance(model, fsdp_type):
+            raise LayoutError("tensor or context parallelism needs fully_shard over the data-parallel dims, applied "
+                              "to the root module too (fully_shard(model) after its blocks); DistributedDataParallel "
+                              "over DTensor parameters is not supported")
+        if len(_dtensor_params(model)) != len(list(model.parameters())):
+            raise LayoutError("every parameter must be a DTensor (a module left outside fully_shard is not supported)")
+        groups = fsdp_groups(model)
+        info = groups[0][1].mesh_info
+        if any(pg.mesh_info.shard_mesh_size != info.shard_mesh_size for _, pg in groups):
+            raise LayoutError("FSDP parameter groups shard over different mesh dimensions: not supported")
+        if info.shard_mesh_size < 2:
+            raise LayoutError("a data-parallel shard dimension of size 1 does not reduce-scatter (FSDP copies the "
+                              "gradients), so local gradients cannot be observed: tensor parallelism needs "
+                              "fully_shard over a dp_shard dimension of 2 or more")
+        allowed = {sizes.get("dp_shard", 1), sizes.get("dp_shard", 1) * sizes.get("cp", 1)}
+        if info.shard_mesh_size not in allowed:
+            held = " or ".join(str(n) for n in sorted(allowed))
+            raise LayoutError(f"fully_shard shards over {info.shard_mesh_size} ranks, but the mesh's dp_shard "
+                              f"(x cp) dims hold {held}: apply fully_shard on mesh['dp_shard'] (or the flattened "
+                              "dp_shard_cp), or on mesh['dp_replicate', 'dp_shard']")
+        replicate = getattr(info, "replicate_process_group", None)
+        replicas = getattr(info, "replicate_mesh_size", 1)
+        if replicas != sizes.get("dp_replicate", 1):
+            raise LayoutError(f"fully_shard replicates over {replicas} ranks but the mesh's dp_replicate dim is "
+                              f"{sizes.get('dp_replicate', 1)}: apply fully_shard on mesh['dp_replicate', 'dp_shard']")
+        self.mesh = FSDPLayout(shard_group=info.shard_process_group, shard_size=info.shard_mesh_size,
+                               shard_index=info.shard_mesh_rank, replicate_group=replicate, replicas=replicas,
+                               groups=tuple(groups))
+        self._tap = None
+        coordinate = root.get_coordinate()
+        assert coordinate is not None
+        device = next(model.parameters()).device
+        self.coordinates = Coordinates.gather(sizes, dict(zip(names, coordinate, strict=True)), device)
+        self.shard_of = list(self.coordinates.key_of)
+        self.world_mesh = root
+        self.name = " x ".join(d for d in DIMS if sizes.get(d, 1) > 1) or "nd"
+
+    @property
+    def replicas(self) -> bool:
+        return bool(self.coordinates.replicas > 1)
+
+    @property
+    def weight_replicas(self) -> bool:
+        return bool(self.coordinates.sizes["dp_replicate"] > 1)
+
+    def weights_off_reason(self) -> str | None:
+        if self.weight_replicas:
+            return None
+        return ("no dp_replicate dimension: every shard of this mesh is held by one rank, so the weight check has "
+                "nothing to compare and is off (a dp_replicate dimension of 2 or more adds replicas)")
+
+    @property
+    def digest_slots(self) -> int:
+        return int(self.coordinates.keys)
+
+    @property
+    def digest_slot(self) -> int:
+        return int(self.coordinates.key_of[self.position])
+
+    def recompute(self, params: Sequence[torch.nn.Parameter], run_backward: Callable[[], None]
+                  ) -> list[torch.Tensor | None] | None:
+        grads = super().recompute(params, run_backward)
+        assert grads is not None
+        return [g.to_local() if g is not None and hasattr(g, "to_local") else g  # type: ignore[operator]
+                for g in grads]
+
+    def describe(self) -> str:
+        return f"{self.name} over {self.world} ranks ({self.coordinates.describe()})"

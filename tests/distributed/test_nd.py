@@ -1,0 +1,92 @@
+"""N-D parallelism: DTensor tensor parallelism with FSDP2 and HSDP on one DeviceMesh (torchtitan's dim names)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sdc_telemetry.testing import spawn_ranks
+
+from ._nd import run_nd
+
+HSDP_TP = ((2, 2, 2), ("dp_replicate", "dp_shard", "tp"))
+HSDP_TP_SCENARIOS = {
+    "healthy": {"config": {"replay_every": 2}, "steps": 6},
+    "bytes": {"config": {"replay_every": 1000}, "steps": 4, "count_bytes": True},
+    "flip": {"config": {"replay_every": 0}, "steps": 4,
+             "flip": {"rank": 5, "step": 2, "param": "b1.up.weight", "index": 3, "bit": 12}},
+    "compute": {"config": {"replay_every": 3}, "steps": 4,
+                "perturb": {"rank": 6, "step": 0, "module": "b2.up", "relative": 1e-3}},
+    "off": {"monitor": False, "steps": 6},
+}
+SMALL = ((1, 2, 2), ("dp_replicate", "dp_shard", "tp"))
+SMALL_SCENARIOS = {
+    "bytes": {"config": {"replay_every": 1000}, "steps": 4, "count_bytes": True},
+    "fsdp_tp": {"config": {"replay_every": 2}, "steps": 4, "shape": (2, 2), "names": ("dp_shard", "tp"),
+                "explicit_mesh": True, "perturb": {"rank": 3, "step": 0, "module": "b1.down", "relative": 1e-3}},
+}
+
+
+@pytest.fixture(scope="module")
+def hsdp_tp() -> dict[str, Any]:
+    """One spawn of 8 ranks on a (dp_replicate 2, dp_shard 2, tp 2) mesh running every scenario."""
+    results = spawn_ranks(run_nd, 8, (*HSDP_TP, list(HSDP_TP_SCENARIOS.values())), timeout=600)
+    return dict(zip(HSDP_TP_SCENARIOS, zip(*results, strict=True), strict=True))
+
+
+@pytest.fixture(scope="module")
+def small() -> dict[str, Any]:
+    """One spawn of 4 ranks: the same N-D layout with one replica, and FSDP x TP with an explicit mesh."""
+    results = spawn_ranks(run_nd, 4, (*SMALL, list(SMALL_SCENARIOS.values())), timeout=400)
+    return dict(zip(SMALL_SCENARIOS, zip(*results, strict=True), strict=True))
+
+
+def _same(per_rank: tuple[dict[str, Any], ...]) -> list[Any]:
+    assert all(r["incidents"] == per_rank[0]["incidents"] for r in per_rank)
+    return per_rank[0]["incidents"]  # type: ignore[no-any-return]
+
+
+def test_hsdp_tp_healthy_run_counts_every_check_and_changes_nothing(hsdp_tp: dict[str, Any]) -> None:
+    """2x2x2: every check passes on every rank (replay included, no error), and training is bitwise unmonitored."""
+    for r, off in zip(hsdp_tp["healthy"], hsdp_tp["off"], strict=True):
+        assert r["incidents"] == [] and r["errors"] == []
+        assert r["counts"] == {"grad_local": {"pass": 6}, "grad_reduced": {"pass": 6}, "weights": {"pass": 6},
+                               "replay": {"pass": 3}}, r["counts"]
+        assert r["losses"] == off["losses"]
+        assert all(r["weights"][n].equal(w) for n, w in off["weights"].items())
+    assert hsdp_tp["healthy"][0]["layout"].startswith("dp_replicate x dp_shard x tp")
+
+
+def test_hsdp_tp_weight_bit_flip_named_with_its_coordinate(hsdp_tp: dict[str, Any]) -> None:
+    """A bit flipped in rank 5's local tp shard: the weight check of that step names it among its shard's replicas
+    with its mesh coordinate; two replicas cannot tell which one is right, so the incident is ambiguous."""
+    step, check, suspects, _, coordinate, ambiguous = _same(hsdp_tp["flip"])[0]
+    assert (step, check) == (2, "weights") and 5 in suspects and set(suspects) <= {1, 5}
+    assert coordinate is not None and coordinate["tp"] == 1 and coordinate["dp_shard"] == 0
+    assert ambiguous
+
+
+def test_hsdp_tp_compute_fault_found_by_replay_on_its_replica(hsdp_tp: dict[str, Any]) -> None:
+    """A compute fault on rank 6 spreads to its tp partner (rank 7) through the row-parallel all-reduce: the replay
+    of a partner replica, coordinate by coordinate, names that replica's ranks (one host: not ambiguous)."""
+    incidents = _same(hsdp_tp["compute"])
+    assert incidents[0][:4] == (0, "replay", [6, 7], "persistent")
+    assert incidents[0][4] == {"dp_replicate": 1, "dp_shard": 1, "tp": 0} and not incidents[0][5]
+
+
+def test_fsdp_tp_compute_fault_found_by_replay_with_an_explicit_mesh(small: dict[str, Any]) -> None:
+    """FSDP x TP (dp_shard 2, tp 2), mesh= passed: replay names the faulty replica's ranks, with coordinates."""
+    incidents = _same(small["fsdp_tp"])
+    assert incidents[0][:4] == (0, "replay", [2, 3], "persistent")
+    assert incidents[0][4]["dp_shard"] == 1
+    assert small["fsdp_tp"][0]["layout"].startswith("dp_shard x tp")
+
+
+def test_nd_healthy_step_bytes_do_not_grow_with_world_size(hsdp_tp: dict[str, Any], small: dict[str, Any]) -> None:
+    """The same N-D layout at W=4 and W=8 (one and two replicas of a dp_shard 2 x tp 2 model): the monitor's
+    collectives move the same bytes per rank on a healthy step (one fixed-size agreement, per-coordinate slots)."""
+    big, little = hsdp_tp["bytes"][0]["bytes"], small["bytes"][0]["bytes"]
+    assert big and big == little, (big, little)
+    assert all(r["bytes"] == big for r in hsdp_tp["bytes"])
+    assert big["calls"] == 1 and set(big) == {"all_reduce", "calls"}
