@@ -1,0 +1,37 @@
+"""torchtitan job configs (its ``config_registry`` convention) for CPU gloo ranks: the llama3 debug model, small.
+
+Select one with ``--module titan_jobs --config llama3_cpu_debugmodel`` (``train.py`` passes these); every field can
+be overridden on the command line the torchtitan way, e.g. ``--parallelism.tensor_parallel_degree 2``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import cpu_workarounds
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+from torchtitan.models.llama3.config_registry import llama3_debugmodel
+from torchtitan.trainer import Trainer
+
+
+def llama3_cpu_debugmodel() -> Trainer.Config:
+    """llama3's debug model (6 layers, dim 256, vocab 2048) at sequence length 128, 4 samples a rank, float32, SDPA
+    attention, no activation checkpointing, checkpointing, validation or CUDA graphs; offline tokenizer and data."""
+    config = cpu_workarounds.use_sdpa(llama3_debugmodel())
+    config.hf_assets_path = os.environ.get("SDC_TITAN_ASSETS") or cpu_workarounds.apply()
+    config.dump_folder = os.environ.get("SDC_TITAN_DUMP", "./outputs")
+    config.dataloader = HuggingFaceTextDataLoader.Config(dataset="sdc_synthetic")
+    config.training.local_batch_size = 4
+    config.training.seq_len = 128
+    config.training.steps = 8
+    config.training.disable_cuda_graphs = True
+    config.training.mixed_precision_param = "float32"
+    config.parallelism.spmd_backend = "partial_dtensor"  # the spmd_types default fails in fully_shard on torch 2.13
+    config.parallelism.pipeline_parallel_schedule = "1F1B"
+    config.parallelism.pipeline_parallel_microbatch_size = 2
+    config.activation_checkpoint = None  # type: ignore[assignment]
+    config.checkpoint.enable = False
+    config.validator.enable = False
+    config.debug.seed = 0
+    config.debug.enable_structured_logging = False
+    return config
