@@ -1,0 +1,524 @@
+"""Pipeline stages (``torch.distributed.pipelining``) with data parallelism: the stage's coordinate, the step, the
+replay's rerun of a schedule step, and the Layout adapter of a stage.
+
+A rank runs one stage of a pipeline (``PipelineStage`` in a ``ScheduleGPipe`` or ``Schedule1F1B``), and the stage
+module is DDP-wrapped over its data-parallel group or ``fully_shard``-ed over it. A *replica* is one data-parallel
+index: the ranks of one pp group, one per stage. Ranks with the same stage index hold the same parameters (DDP) or
+the same shards of them (FSDP2), so weights are compared per stage (and shard) across the replicas, gradients are
+checked per rank, and the replay reruns a whole schedule step of one replica's micro-batches on the ranks of another
+(every stage at once: the stage-to-stage sends line up within the partner's pp group).
+
+What torch 2.13's pipelining does with a step (read from its source, checked by the tests):
+
+- ``schedule.step(*inputs, target=, losses=)`` splits the batch into ``n_microbatches`` chunks; the first stage
+  takes the inputs, the last the target, and ``losses`` (a list, cleared and filled on the last stage only) receives
+  one loss tensor per micro-batch. Each micro-batch's backward is ``torch.autograd.backward``: gradients accumulate
+  into the stage parameters' ``.grad`` (micro-batch 0 first). After the last backward the schedule divides
+  ``.grad`` by ``n_microbatches`` (``scale_grads=True``, the default): the local gradients a tap sees are the
+  undivided sums.
+- DDP stage modules: every forward and every backward but the last run under ``no_sync()``; the stage calls
+  ``reducer.prepare_for_backward`` itself before the last micro-batch's backward, so DDP's all-reduce (and a comm hook:
+  ``parallel.ddp``'s tap) runs once per step, during the last micro-batch's backward, on the accumulated local
+  gradients. Under ``ScheduleGPipe`` without ``find_unused_parameters=True`` the second step fails inside DDP's
+  bucket rebuild (``params_.size() == rebuilt_param_indices_.size() INTERNAL ASSERT FAILED``, reducer.cpp); with it,
+  the gradients are those of a plain all-reduce. ``Schedule1F1B`` runs without the flag.
+- FSDP2 stage modules: each backward runs with gradient sync and resharding off; after the last one the schedule
+  calls every parameter group's ``post_backward`` with sync on: one reduce-scatter per group per step
+  (``parallel.fsdp``'s tap) of the accumulated unsharded gradients.
+- State a step leaves: ``stage.output_chunks`` (the last stage's outputs), ``stage.bwd_cache`` (the input gradients
+  sent back), the receive buffers (the last micro-batch's activations and gradients), the schedule's
+  ``_internal_losses`` (emptied) and the first step's lazily built metadata (shapes of the stage's inputs and
+  outputs: a rerun needs micro-batches of the same shapes).
+
+Covered: one stage per rank (``ScheduleGPipe``, ``Schedule1F1B``), stage modules DDP-wrapped (over the dp group) or
+``fully_shard``-ed on a 1-D dp mesh or a 2-D (replicate, shard) mesh, or plain modules when there is one replica.
+Refused by name: several stages per rank (interleaved and looped schedules), zero-bubble and DualPipe schedules
+(split input/weight backward), forward-only schedules and schedules without ``loss_fn``, custom schedules, a stage
+module that is neither DDP-wrapped nor fully_shard-ed with several replicas, a tensor- or context-parallel mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from sdc_telemetry.core.collective import gather_rows, group_ranks
+from sdc_telemetry.core.fingerprint import fingerprint
+from sdc_telemetry.parallel.base import GradSink, Layout, LayoutError, world_ranks
+
+__all__ = ["PipelineStageLayout", "StageCoordinate", "RerunResult", "stage_of", "stage_module", "coordinate",
+           "pipeline_step", "rerun", "rng_state", "SUPPORTED_SCHEDULES"]
+
+#: the schedules covered: one stage per rank, full backward per micro-batch
+SUPPORTED_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B")
+_DP_DIMS = ("dp_replicate", "dp_shard", "dp")
+
+
+def _schedules() -> Any:
+    from torch.distributed.pipelining import schedules
+
+    return schedules
+
+
+def stage_of(schedule: Any) -> Any:
+    """The one ``PipelineStage`` a supported schedule runs on this rank, or ``LayoutError`` naming what is not
+    covered (several stages per rank, zero-bubble, forward-only, no loss function, a custom schedule)."""
+    s = _schedules()
+    name = type(schedule).__name__
+    if isinstance(schedule, s.PipelineScheduleMulti):
+        zero_bubble = ("ZeroBubble" in name or "ZBV" in name or "DualPipe" in name)
+        raise LayoutError(
+            f"{name} is not supported: "
+            + ("zero-bubble schedules split each backward into input and weight parts, so the local gradients "
+               "of a micro-batch are never complete in one place the monitor can tap" if zero_bubble else
+               "it runs several stages per rank (interleaved or looped), and the monitor taps and reruns one stage "
+               "module per rank")
+            + f"; use one of {', '.join(SUPPORTED_SCHEDULES)} with one PipelineStage per rank")
+    if not isinstance(schedule, s.PipelineScheduleSingle):
+        raise LayoutError(f"pipeline= needs a torch.distributed.pipelining schedule ({', '.join(SUPPORTED_SCHEDULES)}),"
+                          f" got {name}")
+    if name not in SUPPORTED_SCHEDULES or type(schedule).__module__ != s.__name__:
+        raise LayoutError(f"{name} is not supported: the monitor knows the micro-batch order of "
+                          f"{', '.join(SUPPORTED_SCHEDULES)} only (a forward-only or custom schedule has no backward "
+                          "it can tap or rerun)")
+    if getattr(schedule, "_loss_fn", None) is None:
+        raise LayoutError(f"{name} was built without loss_fn: a forward-only pipeline has no gradients to check; "
+                          "pass loss_fn=... to the schedule")
+    stage = schedule._stage
+    if getattr(stage, "dw_builder", None) is not None:
+        raise LayoutError("a PipelineStage with dw_builder= (a deferred weight backward) is not supported")
+    return stage
+
+
+def stage_module(submod: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    """The unwrapped stage module and how it is data-parallel: ``"ddp"``, ``"fsdp"`` or ``"plain"``."""
+    from sdc_telemetry.parallel import fsdp
+
+    if isinstance(submod, DistributedDataParallel):
+        return submod.module, "ddp"
+    if fsdp.is_fully_sharded(submod):
+        return submod, "fsdp"
+    return submod, "plain"
+
+
+@dataclass(frozen=True)
+class StageCoordinate:
+    """Where this rank sits: its pipeline stage and its data-parallel index (its replica)."""
+
+    stage: int                              # pp stage index (= rank in the pp group)
+    stages: int                             # pipeline stages
+    pp_group: dist.ProcessGroup | None      # this replica's ranks, one per stage
+    dp: int                                 # data-parallel index: the replica
+    replicas: int                           # data-parallel size
+    dp_group: dist.ProcessGroup | None      # the ranks of this stage in every replica (None: dp == 1 or unknown)
+    dims: tuple[tuple[str, int], ...] = ()  # the coordinate as named mesh dims, for evidence
+
+    def as_dict(self) -> dict[str, int]:
+        """The coordinate for ``evidence["coordinate"]``, e.g. ``{"pp": 1, "dp_replicate": 0}``."""
+        return {"pp": self.stage, **dict(self.dims)}
+
+
+def coordinate(schedule: Any, *, dp_group: dist.ProcessGroup | None = None, mesh: Any = None) -> StageCoordinate:
+    """This rank's stage and data-parallel index. The data-parallel group comes from ``mesh`` (a DeviceMesh with a
+    ``pp`` dim and one of ``dp_replicate``/``dp_shard``/``dp``), from ``dp_group``, or from the stage module (DDP's
+    process group, FSDP2's mesh). No collective."""
+    stage = stage_of(schedule)
+    submod, kind = stage_module(stage.submod)
+    pp_ranks = group_ranks(stage.group)
+    if stage.num_stages != len(pp_ranks) or stage.stage_index != dist.get_rank(stage.group):
+        raise LayoutError(f"stage {stage.stage_index} of {stage.num_stages} on pp-group rank "
+                          f"{dist.get_rank(stage.group)} of {len(pp_ranks)}: one stage per rank, stage i on pp rank i")
+    dims: tuple[tuple[str, int], ...]
+    if mesh is not None:
+        names = tuple(mesh.mesh_dim_names or ())
+        other = [n for n in names if n != "pp" and n not in _DP_DIMS]
+        dp_names = [n for n in names if n in _DP_DIMS]
+        if "pp" not in names or other or len(dp_names) > 1:
+            raise LayoutError(f"mesh dims {names}: a pipeline stage's mesh here is ('pp', one data-parallel dim of "
+                              f"{_DP_DIMS}); tensor or context parallel dims ({other or 'none'}) and several "
+                              "data-parallel dims are not covered by the pipeline adapter: pass dp_group=")
+        if group_ranks(mesh.get_group("pp")) != pp_ranks:
+            raise LayoutError(f"the mesh's pp group {group_ranks(mesh.get_group('pp'))} is not the stage's group "
+                              f"{pp_ranks}")
+        if dp_names:
+            dp_group = mesh.get_group(dp_names[0])
+            dims = ((dp_names[0], dist.get_rank(dp_group)),)
+        else:
+            dims = ()
+    if kind == "fsdp":
+        from sdc_telemetry.parallel import fsdp
+
+        lay = fsdp.layout_of(submod)
+        replicas = lay.shard_size * lay.replicas
+        rep = dist.get_rank(lay.replicate_group) if lay.replicate_group is not None else 0
+        dp = rep * lay.shard_size + lay.shard_index
+        dims = ((("dp_replicate", rep),) if lay.hsdp else ()) + (("dp_shard", lay.shard_index),)
+        if dp_group is not None and dist.get_world_size(dp_group) != replicas:
+            raise LayoutError(f"the stage module is fully_shard-ed over {replicas} ranks but the data-parallel "
+                              f"group has {dist.get_world_size(dp_group)}")
+        if dp_group is None and not lay.hsdp:
+            dp_group = lay.shard_group
+        return StageCoordinate(stage.stage_index, stage.num_stages, stage.group, dp, replicas, dp_group, dims)
+    if kind == "ddp":
+        assert isinstance(stage.submod, DistributedDataParallel)
+        ddp_group = stage.submod.process_group
+        if dp_group is not None and group_ranks(dp_group) != group_ranks(ddp_group):
+            raise LayoutError(f"the stage module is DDP-wrapped over ranks {group_ranks(ddp_group)} but the "
+                              f"data-parallel group is {group_ranks(dp_group)}: wrap it over its data-parallel group")
+        dp_group = ddp_group
+    if dp_group is None:
+        return StageCoordinate(stage.stage_index, stage.num_stages, stage.group, 0, 1, None, ())
+    dp_ranks = group_ranks(dp_group)
+    if set(dp_ranks) & set(pp_ranks) != {dist.get_rank()}:
+        raise LayoutError(f"the data-parallel group {dp_ranks} and the pp group {pp_ranks} must meet in this rank "
+                          "only")
+    dp = dist.get_rank(dp_group)
+    if mesh is None:
+        dims = (("dp_replicate", dp),)
+    return StageCoordinate(stage.stage_index, stage.num_stages, stage.group, dp, len(dp_ranks), dp_group, dims)
+
+
+def pipeline_step(schedule: Any, stage_is_first: bool, stage_is_last: bool, *inputs: Any, target: Any = None,
+                  **kwargs: Any) -> list[torch.Tensor] | None:
+    """``schedule.step`` with what this stage needs: ``inputs`` on the first stage (ignored elsewhere, so every
+    stage can run the same loop), ``target`` and a losses list on the last; model ``kwargs`` on every stage.
+    Returns the per-micro-batch losses on the last stage, else None."""
+    if stage_is_last and target is None:
+        raise ValueError("the last pipeline stage needs target= (the schedule's loss_fn(output, target))")
+    if stage_is_last:
+        losses: list[torch.Tensor] = []
+        schedule.step(*(inputs if stage_is_first else ()), target=target, losses=losses, **kwargs)
+        return losses
+    schedule.step(*(inputs if stage_is_first else ()), **kwargs)
+    return None
+
+
+def rng_state(device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's RNG states (CPU, and the CUDA device's where ``device`` is one): capture them before a step, on
+    every stage, for the partner's rerun of that step."""
+    dev = device if device is not None and device.type == "cuda" else None
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(dev) if dev is not None else None)
+
+
+@dataclass
+class RerunResult:
+    """A rerun's result on one stage: the per-micro-batch losses (last stage, else None) and each parameter's
+    accumulated local gradient (undivided by the micro-batch count, as the tap sees it; FSDP2: unsharded)."""
+
+    losses: list[torch.Tensor] | None
+    grads: list[torch.Tensor | None]
+
+    def rows(self) -> torch.Tensor:
+        """Per parameter, the fingerprint row (``core.fingerprint``) of its gradient; 0 where it had none."""
+        present = [(i, g) for i, g in enumerate(self.grads) if g is not None]
+        out = torch.zeros((len(self.grads), 1), dtype=torch.int64)
+        if present:
+            rows = fingerprint([g for _, g in present]).cpu()
+            out = torch.zeros((len(self.grads), rows.shape[1]), dtype=torch.int64)
+            out[[i for i, _ in present]] = rows
+        return out
+
+
+def _recv_buffers(stage: Any) -> list[torch.Tensor]:
+    out = []
+    for infos in list(stage.args_recv_info.values()) + list(stage.grad_recv_info.values()):
+        for info in infos:
+            buf = getattr(info, "buffer", None)
+            if isinstance(buf, torch.Tensor):
+                out.append(buf)
+    return out
+
+
+@contextmanager
+def _preserved(schedule: Any, stage: Any, module: torch.nn.Module, device: torch.device) -> Iterator[None]:
+    """Everything a schedule step changes, as it was before, whatever happens: ``.grad`` (the same tensors), RNG,
+    buffers, the stage's caches and receive buffers, ``scale_grads`` and the stage module."""
+    params = list(module.parameters())
+    grads = [p.grad for p in params]
+    cpu_rng, dev_rng = rng_state(device)
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    recv = [(b, b.detach().clone(), b.grad) for b in _recv_buffers(stage)]
+    caches = {k: dict(getattr(stage, k)) for k in ("fwd_cache", "bwd_cache", "backward_state", "dw_runner")}
+    outputs = list(stage.output_chunks)
+    internal = list(schedule._internal_losses)
+    scale, submod, has_backward = schedule.scale_grads, stage.submod, stage.has_backward
+    try:
+        yield
+    finally:
+        schedule.scale_grads, stage.submod, stage.has_backward = scale, submod, has_backward
+        schedule._internal_losses[:] = internal
+        stage.output_chunks[:] = outputs
+        for k, saved in caches.items():
+            d = getattr(stage, k)
+            d.clear()
+            d.update(saved)
+        with torch.no_grad():
+            for b, saved_b in buffers:
+                b.copy_(saved_b)
+            for b, saved_r, g in recv:
+                b.copy_(saved_r)
+                b.grad = g
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        torch.set_rng_state(cpu_rng)
+        if dev_rng is not None:
+            torch.cuda.set_rng_state(dev_rng, device)
+
+
+def rerun(schedule: Any, *inputs: Any, target: Any = None, cpu_rng: torch.Tensor | None = None,
+          dev_rng: torch.Tensor | None = None, had_grad: Sequence[bool] | None = None,
+          params: Sequence[torch.nn.Parameter] | None = None, autocast: tuple[bool, torch.dtype] | None = None,
+          fsdp_layout: Any = None, **kwargs: Any) -> RerunResult:
+    """Rerun one schedule step for another replica's batch on this replica's ranks: every stage of this replica
+    calls it at once, with the origin's batch (``inputs`` are used on the first stage, ``target`` on the last) and
+    the origin's same stage's RNG states (``rng_state()`` before its step).
+
+    Guarantees: nothing is reduced across replicas (DDP: the stage runs the unwrapped module, so the reducer, its
+    comm hook and its bucket rebuild never see the rerun; FSDP2: gradient sync off and each unsharded gradient is
+    taken and dropped as it is accumulated, so no reduce-scatter runs); ``.grad`` (the same tensors), RNG states,
+    buffers, the schedule's and the stage's state are as before; the next real step is bitwise that of a run
+    without the rerun. Gradients are accumulated as the stage's backward does (``had_grad``: parameters whose
+    ``.grad`` existed before the origin's step, where autograd added into zeros) and are not divided by the
+    micro-batch count: the bits the origin's tap recorded. A DDP stage's replica may rerun alone; an FSDP2 stage's
+    all-gathers span the data-parallel group, so every replica reruns at once (each another's batch).
+    ``params``: whose gradients to return (default: the stage module's trainable parameters)."""
+    stage = stage_of(schedule)
+    module, kind = stage_module(stage.submod)
+    params = list(params) if params is not None else [p for p in module.parameters() if p.requires_grad]
+    device = torch.device(stage.device)
+    if had_grad is not None and len(had_grad) != len(params):
+        raise ValueError(f"had_grad has {len(had_grad)} entries for {len(params)} parameters")
+    losses: list[torch.Tensor] | None = [] if stage.is_last else None
+    if stage.is_last and target is None:
+        raise ValueError("the last stage's rerun needs the origin's target=")
+
+    def run() -> None:
+        with ExitStack() as stack:
+            stack.enter_context(torch.enable_grad())
+            if autocast is not None and autocast[0]:
+                stack.enter_context(torch.autocast(device.type, dtype=autocast[1]))
+            schedule.step(*(inputs if stage.is_first else ()), target=target if stage.is_last else None,
+                          losses=losses, **kwargs)
+
+    with _preserved(schedule, stage, module, device):
+        schedule.scale_grads = False  # the undivided sums, as tapped; the real .grad is never divided again
+        if cpu_rng is not None:
+            torch.set_rng_state(cpu_rng)
+        if dev_rng is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(dev_rng, device)
+        if kind == "fsdp":
+            from sdc_telemetry.parallel import fsdp
+
+            for p in module.parameters():
+                p.grad = None  # the sharded gradients (restored after): nothing is reduced into them anyway
+            lay = fsdp_layout if fsdp_layout is not None else fsdp.layout_of(module)
+            acc: list[torch.Tensor | None] = [None] * len(params)
+            factors: list[float | None] = [None] * len(params)
+
+            def take(i: int, grad: torch.Tensor, divide: float | None) -> None:
+                prev = acc[i]
+                acc[i] = grad if prev is None else prev.add_(grad)  # as FSDP accumulates the unsharded gradient
+                factors[i] = divide
+
+            fsdp.recompute_grads(lay, params, run, take)
+            for g, factor in zip(acc, factors, strict=True):
+                if g is not None and factor is not None:
+                    g.div_(factor)  # FSDP divides the reduce-scatter input first (fp16): what the tap saw
+            grads = acc
+        else:
+            stage.submod = module  # DDP: no reducer, no comm hook, no bucket rebuild, no all-reduce
+            for i, p in enumerate(params):
+                p.grad = torch.zeros_like(p) if had_grad is not None and had_grad[i] else None
+            run()
+            grads = [p.grad for p in params]
+    return RerunResult([loss.detach() for loss in losses] if losses is not None else None, grads)
+
+
+class PipelineStageLayout(Layout):
+    """The Layout of one pipeline stage per rank, its module DDP-wrapped or fully_shard-ed over its data-parallel
+    group (or plain with one replica). It wraps the DDP or FSDP2 handling of the stage module; what differs from
+    those layouts:
+
+    - ``group``/``ranks``: the whole world (the monitor's one status all-reduce spans every stage), not the DDP
+      process group or FSDP mesh; ``shard_of`` (one class per position: stage, and shard index for FSDP2),
+      ``digest_slots`` (stages x shards) and ``digest_slot`` give each (stage, shard) its own weight-digest slot,
+      and ``weight_classes`` compares weights only among the replicas of the same (stage, shard), as HSDP does for
+      shards;
+    - ``weight_replicas``: DDP stages with several replicas, HSDP stages; not a 1-D FSDP2 stage (no replica of a
+      shard) nor a plain stage;
+    - ``replicas``: several data-parallel replicas (the replay's partners), whatever the stage module's wrapping;
+    - ``install``/``after_backward``/``reduction_mismatch``/``disable``: DDP's comm hook (once per step, in the last
+      micro-batch's backward) or FSDP2's reduce-scatter tap (once per step, after the last backward), on the stage
+      module; a plain stage reads ``.grad`` after the step, already divided by the micro-batch count;
+    - ``local``/``whole``: DDP: the tensors; FSDP2: ``to_local()``/``full_tensor()`` (collective within the stage's
+      data-parallel group: every rank calls it at once);
+    - ``lockstep`` is True and ``recompute(params, run_backward)`` refuses: a stage cannot run a micro-batch on its
+      own (its inputs come from the previous stage), so the replay calls ``rerun(...)`` on every rank of the
+      partner replica at once, with the origin's batch and the origin's same-stage RNG states;
+    - ``coordinate``: this rank's ``StageCoordinate`` (``coordinate.as_dict()`` for the evidence).
+
+    Construction is collective (one gather of every rank's coordinate over the world)."""
+
+    name = "pipeline"
+    distributed = True
+    lockstep = True
+
+    def __init__(self, schedule: Any, *, dp_group: dist.ProcessGroup | None = None, mesh: Any = None,
+                 comm_hook: Any = None, comm_state: Any = None) -> None:
+        self.schedule = schedule
+        self.stage = stage_of(schedule)
+        submod = self.stage.submod
+        module, self.kind = stage_module(submod)
+        self.coordinate = coordinate(schedule, dp_group=dp_group, mesh=mesh)
+        c = self.coordinate
+        if self.kind == "plain" and c.replicas > 1:
+            raise LayoutError(f"the stage module ({type(submod).__name__}) has {c.replicas} data-parallel replicas "
+                              "but is neither DistributedDataParallel-wrapped over its data-parallel group nor "
+                              "fully_shard-ed: its gradients are never reduced, so replicas drift apart")
+        if comm_hook is not None and self.kind != "ddp":
+            raise ValueError("comm_hook= wraps a DDP all-reduce; this stage module is not DDP-wrapped")
+        self._ddp: Any = None
+        self._fsdp: Any = None
+        self._tap: Any = None
+        shards, shard = 1, 0
+        if self.kind == "ddp":
+            assert isinstance(submod, DistributedDataParallel)
+            if type(schedule).__name__ == "ScheduleGPipe" and not submod.find_unused_parameters:
+                raise LayoutError("a DDP-wrapped stage module under ScheduleGPipe needs "
+                                  "DistributedDataParallel(..., find_unused_parameters=True): without it torch 2.13 "
+                                  "fails at the second step in DDP's bucket rebuild (reducer.cpp INTERNAL ASSERT "
+                                  "params_.size() == rebuilt_param_indices_.size())")
+            from sdc_telemetry.parallel.ddp import DDP
+
+            self._ddp = DDP(submod, comm_hook=comm_hook, comm_state=comm_state)
+        elif self.kind == "fsdp":
+            from sdc_telemetry.parallel import fsdp
+
+            self._fsdp = fsdp.layout_of(module)
+            shards, shard = self._fsdp.shard_size, self._fsdp.shard_index
+        self.reduces = self.kind != "plain"
+        self._shards = shards
+        self._slot = c.stage * shards + shard
+        ranks, rank = world_ranks()
+        super().__init__(submod, module, None, ranks, rank)
+        device = next(module.parameters()).device
+        rows = gather_rows(torch.tensor([c.stage, c.dp, self._slot, c.stages, c.replicas], dtype=torch.int64),
+                           None, device)
+        seen = {(r[0], r[1]) for r in rows}
+        if len(seen) != len(rows) or any(r[3] != c.stages or r[4] != c.replicas for r in rows) \
+                or len(rows) != c.stages * c.replicas:
+            raise LayoutError(f"the ranks' (stage, data-parallel index) pairs {[(r[0], r[1]) for r in rows]} are not "
+                              f"a {c.stages} x {c.replicas} grid over the {len(rows)} ranks")
+        self.shard_of = [r[2] for r in rows]
+        self.stage_of_position = [r[0] for r in rows]
+        self.dp_of_position = [r[1] for r in rows]
+
+    # -- who holds what ------------------------------------------------------------------------------------------
+
+    @property
+    def replicas(self) -> bool:
+        return self.coordinate.replicas > 1
+
+    @property
+    def weight_replicas(self) -> bool:
+        if self.kind == "ddp":
+            return self.coordinate.replicas > 1
+        return self.kind == "fsdp" and bool(self._fsdp.replicas > 1)
+
+    def weights_off_reason(self) -> str | None:
+        if self.weight_replicas:
+            return None
+        if self.kind == "fsdp":
+            return ("each pipeline stage is fully_shard-ed on a 1-D mesh: no replica holds a stage's shard, so the "
+                    "weight check has nothing to compare and is off (a (replicate, shard) mesh has replicas)")
+        return "one data-parallel replica per stage: weight and replay checks need several and are off"
+
+    @property
+    def digest_slots(self) -> int:
+        return self.coordinate.stages * self._shards
+
+    @property
+    def digest_slot(self) -> int:
+        return self._slot
+
+    def weight_classes(self, classes: Sequence[int] | None) -> list[Any] | None:
+        """Per position: (numerics class, stage x shard): weights are compared among replicas of the same stage
+        (and shard) only."""
+        assert self.shard_of is not None
+        return [(classes[i] if classes is not None else 0, slot) for i, slot in enumerate(self.shard_of)]
+
+    # -- where gradients are read --------------------------------------------------------------------------------
+
+    def install(self, sink: GradSink, *, reduced_checks: bool = True) -> None:
+        if self._ddp is not None:
+            self._ddp.install(sink, reduced_checks=reduced_checks)
+        elif self._fsdp is not None:
+            from sdc_telemetry.parallel.fsdp import GradTap
+
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            self._tap = GradTap(self._fsdp, params, sink.store, lambda: sink.detail, sink.note_call, sink.fail)
+
+    def after_backward(self, sink: GradSink) -> None:
+        """DDP and FSDP2 stages were tapped during the step; a plain stage's ``.grad`` is read now."""
+        if self.kind == "plain":
+            sink.measure_local()
+
+    def reduction_mismatch(self) -> torch.Tensor | None:
+        return self._ddp.reduction_mismatch() if self._ddp is not None else None  # type: ignore[no-any-return]
+
+    def disable(self) -> None:
+        if self._ddp is not None:
+            self._ddp.disable()
+        if self._tap is not None:
+            self._tap.enabled = False
+
+    # -- reading tensors in place --------------------------------------------------------------------------------
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        to_local = getattr(t, "to_local", None)
+        return to_local() if to_local is not None else t  # type: ignore[no-any-return]
+
+    def whole(self, named: Sequence[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in named:
+            full = getattr(p, "full_tensor", None)  # FSDP2: gathered within the stage's dp group (collective)
+            yield name, (full() if full is not None else p)
+
+    # -- replay --------------------------------------------------------------------------------------------------
+
+    def recompute(self, params: Sequence[torch.nn.Parameter], run_backward: Callable[[], None],
+                  take: Callable[[int, torch.Tensor, float | None], None]) -> None:
+        raise LayoutError("a pipeline stage cannot recompute a micro-batch by itself (its inputs come from the "
+                          "previous stage): the replay reruns the schedule with layout.rerun(...) on every rank of "
+                          "the partner replica at once")
+
+    def rerun(self, *inputs: Any, target: Any = None, cpu_rng: torch.Tensor | None = None,
+              dev_rng: torch.Tensor | None = None, had_grad: Sequence[bool] | None = None,
+              params: Sequence[torch.nn.Parameter] | None = None,
+              autocast: tuple[bool, torch.dtype] | None = None, **kwargs: Any) -> RerunResult:
+        """``rerun(self.schedule, ...)`` (see there)."""
+        return rerun(self.schedule, *inputs, target=target, cpu_rng=cpu_rng, dev_rng=dev_rng, had_grad=had_grad,
+                     params=params, autocast=autocast, fsdp_layout=self._fsdp, **kwargs)
+
+    @property
+    def is_first(self) -> bool:
+        return bool(self.stage.is_first)
+
+    @property
+    def is_last(self) -> bool:
+        return bool(self.stage.is_last)
+
+    def step(self, *inputs: Any, target: Any = None, **kwargs: Any) -> list[torch.Tensor] | None:
+        """``pipeline_step`` for this stage."""
+        return pipeline_step(self.schedule, self.is_first, self.is_last, *inputs, target=target, **kwargs)
+
+    def describe(self) -> str:
+        c = self.coordinate
+        return (f"pipeline stage {c.stage} of {c.stages} ({type(self.schedule).__name__}), {self.kind} over "
+                f"{c.replicas} replica(s), {self.world} rank(s)")
+
