@@ -138,6 +138,12 @@ class AlertmanagerPusher:
                                                      "local_rank": s.local_rank, "hw_id": s.hw_id},
                                     self.job_name, ambiguous=ambiguous)
                       for s in incident.suspects]
+            coordinates = incident.evidence.get("coordinates")
+            if isinstance(coordinates, dict):  # N-D layouts: where in the mesh each suspect sits
+                for alert, s in zip(alerts, incident.suspects, strict=True):
+                    coord = coordinates.get(str(s.rank))
+                    if isinstance(coord, dict):
+                        alert["annotations"]["coordinate"] = " ".join(f"{k}={v}" for k, v in coord.items())
             page = _Page(alerts, incident.step, _rfc3339(time.time()))
             with self._cond:
                 if self._closed:

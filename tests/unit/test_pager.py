@@ -351,3 +351,19 @@ def test_real_alertmanager_delivers_a_pushed_alert_to_the_pager_and_responder(tm
     for a in received:
         assert a["status"] == "firing" and a["labels"] == expected["labels"]
         assert a["annotations"] == expected["annotations"]
+
+
+def test_page_carries_each_suspects_mesh_coordinate(recorder: _Recorder) -> None:
+    """N-D layouts: each suspect's alert says where it sits in the mesh (an annotation: the labels stay the rule's)."""
+    other = RankIdentity(rank=5, local_rank=1, host_name="node-c", hw_id="GPU-5")
+    incident = Incident(step=7, check="replay", suspect_ranks=(2, 5), suspects=(SUSPECT, other),
+                        evidence={"coordinates": {"2": {"pp": 1, "dp_replicate": 0, "tp": 0},
+                                                  "5": {"pp": 1, "dp_replicate": 0, "tp": 1}}})
+    pusher = AlertmanagerPusher(recorder.url, "llm")
+    pusher.page(incident)
+    pusher.close()
+    body = recorder.posts[0][1]
+    assert [a["annotations"]["coordinate"] for a in body] == ["pp=1 dp_replicate=0 tp=0", "pp=1 dp_replicate=0 tp=1"]
+    expected = alerts.suspect_alert("replay", {"host_name": "node-b", "rank": 2, "local_rank": 2, "hw_id": "GPU-2"},
+                                    "llm")
+    assert body[0]["labels"] == expected["labels"]
