@@ -11,7 +11,10 @@ time only:
    for symmetric memory) keeps the same gradients with an op gloo has;
 3. the process groups' timeouts after step 1: torchtitan calls ``torch.distributed.set_timeout``, absent from torch
    2.13; the same barrier and the private ``_set_pg_timeout`` instead;
-4. data and tokenizer, offline: a byte-level tokenizer written to a temp folder and a synthetic text dataset
+4. the pipeline schedule's ``step``: torchtitan passes micro-batches already split (``arg_mbs=``, ``kwarg_mbs=``,
+   ``target_mbs=``), a newer torch's signature; torch 2.13's ``step`` splits a whole batch itself. A pre-split call
+   runs the schedule's own ``_step_microbatches`` on the given micro-batches;
+5. data and tokenizer, offline: a byte-level tokenizer written to a temp folder and a synthetic text dataset
    registered under the name ``sdc_synthetic`` in torchtitan's dataset table.
 
 ``use_sdpa(config)`` swaps FlexAttention (no CPU backward) for causal scaled-dot-product attention in a job config.
@@ -126,6 +129,42 @@ def _patch_pg_timeouts() -> None:
     tt_dist_utils.set_pg_timeouts = set_pg_timeouts
 
 
+def _patch_pipeline_step() -> None:
+    """torchtitan calls ``schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=..., losses=..., loss_kwargs=...)``
+    with inputs already split into micro-batches; torch 2.13's ``step`` takes the whole batch and splits it itself
+    (the keywords reach the model as inputs). A pre-split call runs torch's own ``_step_microbatches`` directly,
+    with the same preamble ``step`` has; any other call is torch's ``step`` unchanged."""
+    from torch.distributed.pipelining import schedules
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        if getattr(cls.step, "_sdc_presplit", False):
+            continue
+        original = cls.step
+
+        def step(self: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            if not {"arg_mbs", "kwarg_mbs", "target_mbs"} & kwargs.keys():
+                return _original(self, *args, **kwargs)
+            if args:
+                raise TypeError("pre-split schedule.step() takes no positional inputs")
+            stages = list(getattr(self, "_stages", None) or [self._stage])
+            for stage in stages:
+                stage.has_backward = self._has_backward
+                stage.clear_runtime_states()
+            arg_mbs, kwarg_mbs = self._check_inputs(kwargs.pop("arg_mbs", None), kwargs.pop("kwarg_mbs", None))
+            return_outputs = kwargs.pop("return_outputs", True)
+            self._step_microbatches(arg_mbs, kwarg_mbs, kwargs.pop("target_mbs", None), kwargs.pop("losses", None),
+                                    return_outputs, loss_kwargs=kwargs.pop("loss_kwargs", None))
+            if kwargs:
+                raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
+            for stage in stages:
+                if stage.is_last and return_outputs:
+                    return self._merge_outputs(stage.output_chunks)
+            return None
+
+        step._sdc_presplit = True  # type: ignore[attr-defined]
+        cls.step = step  # type: ignore[method-assign]
+
+
 def write_tokenizer(folder: str) -> str:
     """A byte-level BPE tokenizer with no merges (256 byte tokens plus BOS/EOS), saved as torchtitan's
     ``hf_assets_path`` expects (tokenizer.json and tokenizer_config.json)."""
@@ -177,6 +216,7 @@ def apply() -> str:
     _patch_device()
     _patch_fsdp_reduce_op()
     _patch_pg_timeouts()
+    _patch_pipeline_step()
     _register_dataset()
     # Every rank writes the same bytes; write to a per-process name and rename, so readers never see half a file.
     tmp = f"{folder}.{os.getpid()}"
