@@ -148,7 +148,8 @@ def coordinate(schedule: Any, *, dp_group: dist.ProcessGroup | None = None, mesh
                               f"{pp_ranks}")
         if dp_names:
             dp_group = mesh.get_group(dp_names[0])
-            dims = ((dp_names[0], dist.get_rank(dp_group)),)
+            # a replicated stage (DDP) is torchtitan's dp_replicate, whatever the mesh calls its dp dim
+            dims = (("dp_replicate" if dp_names[0] == "dp" else dp_names[0], dist.get_rank(dp_group)),)
         else:
             dims = ()
     if kind == "fsdp":
