@@ -7,8 +7,10 @@ be overridden on the command line the torchtitan way, e.g. ``--parallelism.tenso
 from __future__ import annotations
 
 import os
+from dataclasses import fields
 
 import cpu_workarounds
+from sdc_trainer import SDCSettings, SDCTrainer
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.models.llama3.config_registry import llama3_debugmodel
 from torchtitan.trainer import Trainer
@@ -35,3 +37,11 @@ def llama3_cpu_debugmodel() -> Trainer.Config:
     config.debug.seed = 0
     config.debug.enable_structured_logging = False
     return config
+
+
+def llama3_cpu_debugmodel_sdc() -> SDCTrainer.Config:
+    """The same job with an SDCMonitor in the training step (``sdc_trainer.SDCTrainer``): weights checked every
+    step, a replay audit every second step; ``--sdc.*`` flags change that."""
+    base = llama3_cpu_debugmodel()
+    return SDCTrainer.Config(**{f.name: getattr(base, f.name) for f in fields(base) if f.init},
+                             sdc=SDCSettings())

@@ -10,6 +10,7 @@ Arguments are torchtitan's own (``--training.steps 4``, ``--parallelism.pipeline
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -34,6 +35,8 @@ def main(argv: list[str]) -> None:
     finally:
         trainer.close()
     elapsed = time.perf_counter() - start
+    if hasattr(trainer, "summary"):
+        print(f"SDC_SUMMARY {json.dumps(trainer.summary(), default=str)}", flush=True)
     if torch.distributed.get_rank() == 0:
         logger.info(f"titan run: {trainer.step} steps in {elapsed:.1f}s")
         print(f"TITAN_DONE steps={trainer.step} seconds={elapsed:.2f}", flush=True)
