@@ -4,10 +4,22 @@
 ``.grad``, buffers, RNG or DDP state, and returns per-micro-batch losses, the gradient digest, per-parameter norms
 and (tolerance mode) block sketches, with one copy to the host. Three ways to get the gradients:
 
-- ``torch.autograd.grad`` (the default): nothing is accumulated anywhere;
-- ``backward()`` into ``.grad``, saved before and restored after (reentrant activation checkpointing refuses
-  ``autograd.grad``; switched to once, on the first such error);
-- a lockstep layout's ``recompute(params, run_backward)`` (FSDP2: every rank recomputes through the sharded model).
+- ``torch.autograd.grad`` (the default), with a hook on each parameter that reads its gradient as the engine
+  produces it: nothing is accumulated anywhere;
+- ``backward()`` into ``.grad``, saved before and restored after, with a post-accumulate-grad hook on each parameter
+  (reentrant activation checkpointing refuses ``autograd.grad``; switched to once, on the first such error);
+- a lockstep layout's ``recompute(params, run_backward, take)`` (FSDP2: every rank recomputes through the sharded
+  model), which hands each parameter's gradient to ``take`` as it is accumulated.
+
+Streaming: a parameter's rows (fingerprint, float32 norm, sketch in tolerance mode) are taken the moment its
+gradient is final, and the gradient is dropped at once; the rows are the same values as those of the whole gradient
+(each row depends on its own tensor only). A gradient is final when the last micro-batch's backward accumulates it.
+With gradient accumulation the origin's reduction consumed the sum over the step's micro-batches (``no_sync``: what
+``.grad`` holds at the last backward), so the running sum of each parameter is held until the last micro-batch, as
+training holds it: the audit holds at most one parameter's gradient (one micro-batch), or one local gradient of
+the model (several). A parameter that receives its gradient in several pieces within one backward (shared by two
+reentrant checkpointed regions) is held until the backward ends; that is learned when it first happens (the
+recomputation is redone, or, in lockstep, the audit is an error once).
 """
 
 from __future__ import annotations
@@ -23,11 +35,15 @@ from sdc_telemetry.checks.shipping import MicroBatch
 from sdc_telemetry.checks.sketch import WIDTH, sketch
 from sdc_telemetry.core.fingerprint import digest, fingerprint
 
-__all__ = ["Recomputer", "Recompute", "Result", "scaled", "autocast_state"]
+__all__ = ["Recomputer", "Recompute", "Take", "Result", "scaled", "autocast_state"]
 
-# A lockstep layout's recomputation (FSDP2): run_backward on every rank at once, with the accumulated local gradient
-# of each parameter returned (nothing reaches ``.grad``).
-Recompute = Callable[[Sequence[torch.nn.Parameter], Callable[[], None]], "list[torch.Tensor | None] | None"]
+# ``take(i, grad, divide)``: one accumulation of parameter i's local gradient, as the reduction would consume it (the
+# reduce dtype), owned by the callee (nothing else refers to it); ``divide``: the factor the reduction's input is
+# divided by once accumulated over the micro-batches (None: not divided).
+Take = Callable[[int, torch.Tensor, "float | None"], None]
+# A lockstep layout's recomputation (FSDP2): run_backward on every rank at once, each accumulation handed to ``take``
+# as it happens (nothing reaches ``.grad``).
+Recompute = Callable[[Sequence[torch.nn.Parameter], Callable[[], None], Take], None]
 
 
 def scaled(loss: torch.Tensor, scale: float, grad_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,6 +66,112 @@ class Result:
     sketch: torch.Tensor | None = None  # tolerance mode: per-parameter block sketches (checks/sketch.py)
 
 
+class _Again(Exception):
+    """A parameter's gradient arrived after its rows were taken: recompute, now holding it to the end."""
+
+
+class _Stream:
+    """Each parameter's recomputed local gradient, accumulated over the micro-batches and reduced to its rows the
+    moment it is final (then dropped)."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], device: torch.device, sketching: bool, micro: int,
+                 held: set[int]) -> None:
+        n = len(params)
+        self.params = params
+        self.device = device
+        self.count = micro
+        self.micro = 0
+        self.held = held  # learned: parameters whose gradient comes in several pieces per backward
+        self.acc: list[torch.Tensor | None] = [None] * n
+        self.divide: list[float | None] = [None] * n
+        self.done = [False] * n
+        self.late: list[int] = []
+        self._fired: set[int] = set()
+        self.fps: torch.Tensor | None = None
+        self.norms = torch.zeros(n, dtype=torch.float32, device=device)
+        self.sketch = torch.zeros((n, WIDTH), dtype=torch.float64, device=device) if sketching else None
+
+    def begin(self, k: int) -> None:
+        """Micro-batch ``k``'s backward starts."""
+        self.micro = k
+        self._fired.clear()
+
+    def _note(self, i: int) -> bool:
+        """A piece of parameter i's gradient arrived; False when its rows were already taken (too late)."""
+        if i in self._fired:
+            self.held.add(i)
+        self._fired.add(i)
+        if self.done[i]:
+            self.late.append(i)
+            return False
+        return True
+
+    def _final_now(self, i: int) -> bool:
+        return self.micro == self.count - 1 and i not in self.held
+
+    def piece(self, i: int, grad: torch.Tensor, *, owned: bool, had: bool = False, divide: float | None = None
+              ) -> None:
+        """One accumulation (autograd.grad, a lockstep layout): summed as ``.grad`` sums, in place when ``owned``."""
+        if not self._note(i):
+            return
+        prev = self.acc[i]
+        self.acc[i] = None
+        if prev is None and had:
+            prev = torch.zeros_like(grad)  # zero_grad(set_to_none=False): .grad = 0.0 + g
+        if prev is None:
+            total = grad
+        else:
+            total = prev.add_(grad) if owned else prev + grad  # the order autograd accumulates .grad in
+        del prev, grad
+        self.divide[i] = divide
+        if self._final_now(i):
+            self._take(i, total)
+        else:
+            self.acc[i] = total
+
+    def accumulated(self, i: int, p: torch.nn.Parameter) -> None:
+        """backward() into .grad: autograd accumulated into ``p.grad``; taken (and dropped) when final."""
+        if self._note(i) and self._final_now(i) and p.grad is not None:
+            grad, p.grad = p.grad, None
+            self._take(i, grad)
+
+    def settle(self, zeros: bool, fields: bool = False) -> None:
+        """After the last backward: the held and the earlier-only gradients; a trainable parameter with no gradient
+        at all is a zero slot where the origin's reduction had one (``zeros``: DDP), else an empty row."""
+        for i, p in enumerate(self.params):
+            if self.done[i]:
+                continue
+            grad = self.acc[i]
+            self.acc[i] = None
+            if fields and p.grad is not None:
+                grad, p.grad = p.grad, None
+            if grad is None and zeros:
+                grad = torch.zeros_like(p)
+            if grad is not None:
+                self._take(i, grad)
+            del grad
+            self.done[i] = True
+
+    def _take(self, i: int, grad: torch.Tensor) -> None:
+        self.done[i] = True
+        divide = self.divide[i]
+        if divide is not None:
+            grad = grad.div_(divide)  # FSDP's pre-division of the reduce-scatter input (fp16)
+        row = fingerprint([grad]).to(self.device)
+        if self.fps is None:
+            self.fps = torch.zeros((len(self.params), row.shape[1]), dtype=torch.int64, device=self.device)
+        self.fps[i] = row[0]
+        self.norms[i] = torch.linalg.vector_norm(grad, dtype=torch.float32).to(self.device)
+        if self.sketch is not None:
+            self.sketch[i] = sketch([grad])[0].to(self.device)
+
+
+def _released(grad: torch.Tensor) -> torch.Tensor:
+    """What a gradient hook returns to autograd.grad once the rows are taken: zeros without storage (an expanded
+    scalar), so the engine keeps nothing of the size of the gradient until it returns."""
+    return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+
+
 class Recomputer:
     """Recomputes micro-batches for the replay (one per ReplayCheck)."""
 
@@ -64,26 +186,25 @@ class Recomputer:
         self.lockstep = lockstep
         self.through_grad_fields = False  # recompute through .grad (reentrant checkpointing), not autograd.grad
         self.replaying = False  # a recomputation is running (the forward pre-hook must not capture it)
+        self._held: set[int] = set()  # parameters whose gradient arrives in several pieces per backward
 
     def run(self, micro: Sequence[MicroBatch]) -> Result:
         """Recompute losses and accumulated local gradients without touching .grad, buffers, RNG or DDP state."""
+        for _ in range(len(self._params) + 1):  # each redo holds one more parameter: a handful at most
+            try:
+                return self._run(micro)
+            except _Again:
+                continue
+        raise RuntimeError("replay could not stream the recomputed gradients (they kept arriving in pieces)")
+
+    def _run(self, micro: Sequence[MicroBatch]) -> Result:
         losses: list[torch.Tensor] = []
         with self._preserved():
             if self.lockstep is not None:
-                # FSDP2: forward and backward through the sharded model (every rank at once), gradient sync off,
-                # each parameter's unsharded gradient collected in the reduce dtype (what the tap recorded).
-                def run_backward() -> None:
-                    for mb in micro:
-                        loss = self._loss_of(mb)
-                        scaled(loss, mb.scale, mb.grad_scale).backward()  # type: ignore[no-untyped-call]
-                        losses.append(loss.detach().double())
-
-                accumulated = self.lockstep(self._params, run_backward)
-                assert accumulated is not None
-                return self._result(losses, accumulated)
+                return self._lockstep(micro, losses)
             if not self.through_grad_fields:
                 try:
-                    return self._result(losses, self._recompute_by_grad(micro, losses))
+                    return self._by_grad(micro, losses)
                 except RuntimeError as e:
                     if "checkpoint" not in str(e).lower():
                         raise
@@ -91,39 +212,98 @@ class Recomputer:
                     # autograd.grad(): from now on this model is recomputed through .grad, saved and restored.
                     self.through_grad_fields = True
                     losses.clear()
-            return self._result(losses, self._recompute_by_backward(micro, losses))
+            return self._by_backward(micro, losses)
 
-    def _recompute_by_grad(self, micro: Sequence[MicroBatch], losses: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """autograd.grad: nothing is accumulated anywhere (no .grad, no accumulation hooks such as DDP's)."""
-        total: list[torch.Tensor | None] = [None] * len(self._params)
-        for mb in micro:
-            loss = self._loss_of(mb)
-            grads = torch.autograd.grad(scaled(loss, mb.scale, mb.grad_scale), self._params, allow_unused=True)
-            for i, grad in enumerate(grads):
-                if grad is not None:
-                    prev = total[i]
-                    if prev is None and mb.had_grad is not None and mb.had_grad[i]:
-                        prev = torch.zeros_like(grad)  # zero_grad(set_to_none=False): .grad = 0.0 + g
-                    total[i] = grad if prev is None else prev + grad  # the order autograd accumulates .grad in
-            losses.append(loss.detach().double())
-        return total
+    def _stream(self, micro: Sequence[MicroBatch]) -> _Stream:
+        return _Stream(self._params, self._device, self.mode == "tolerance", len(micro), self._held)
 
-    def _recompute_by_backward(self, micro: Sequence[MicroBatch], losses: list[torch.Tensor]
-                               ) -> list[torch.Tensor | None]:
-        """backward() into .grad, which is saved before and restored after, exactly (the same tensors)."""
+    def _lockstep(self, micro: Sequence[MicroBatch], losses: list[torch.Tensor]) -> Result:
+        """FSDP2: forward and backward through the sharded model (every rank at once), gradient sync off, each
+        parameter's unsharded gradient handed over in the reduce dtype (what the tap recorded)."""
+        assert self.lockstep is not None
+        stream = self._stream(micro)
+
+        def take(i: int, grad: torch.Tensor, divide: float | None) -> None:
+            stream.piece(i, grad, owned=True, divide=divide)
+
+        def run_backward() -> None:
+            for k, mb in enumerate(micro):
+                loss = self._loss_of(mb)
+                stream.begin(k)
+                scaled(loss, mb.scale, mb.grad_scale).backward()  # type: ignore[no-untyped-call]
+                losses.append(loss.detach().double())
+                del loss
+
+        self.lockstep(self._params, run_backward, take)
+        stream.settle(zeros=False)
+        if stream.late:  # every rank finished the collectives; the next audits hold these parameters
+            raise RuntimeError(f"the gradient of parameter {stream.late[0]} arrived in several pieces within one "
+                               "backward (a parameter shared by reentrant checkpointed regions): this audit is not "
+                               "measured; later audits hold it until the backward ends")
+        return self._result(losses, stream)
+
+    def _by_grad(self, micro: Sequence[MicroBatch], losses: list[torch.Tensor]) -> Result:
+        """autograd.grad, with a hook per parameter that hands its gradient to the stream and releases it: nothing
+        is accumulated anywhere (no .grad, no accumulation hooks such as DDP's)."""
+        stream = self._stream(micro)
+        mb_of: list[MicroBatch] = [micro[0]]
+
+        def hook_for(i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+            def hook(grad: torch.Tensor) -> torch.Tensor:
+                had = mb_of[0].had_grad is not None and mb_of[0].had_grad[i]
+                stream.piece(i, grad, owned=False, had=had)
+                return _released(grad)
+            return hook
+
+        trainable = [p for p in self._params if p.requires_grad]
+        handles = [p.register_hook(hook_for(i))  # type: ignore[no-untyped-call]
+                   for i, p in enumerate(self._params) if p.requires_grad]
+        try:
+            for k, mb in enumerate(micro):
+                loss = self._loss_of(mb)
+                mb_of[0] = mb
+                stream.begin(k)
+                grads = torch.autograd.grad(scaled(loss, mb.scale, mb.grad_scale), trainable, allow_unused=True)
+                del grads
+                losses.append(loss.detach().double())
+                del loss
+        finally:
+            for h in handles:
+                h.remove()
+        stream.settle(zeros=True)
+        return self._result(losses, stream)
+
+    def _by_backward(self, micro: Sequence[MicroBatch], losses: list[torch.Tensor]) -> Result:
+        """backward() into .grad, which is saved before and restored after, exactly (the same tensors); each
+        parameter's .grad is read and dropped by a post-accumulate-grad hook when final."""
+        stream = self._stream(micro)
         saved = [p.grad for p in self._params]
+        handles = []
         try:
             for i, p in enumerate(self._params):
                 had = micro[0].had_grad is not None and micro[0].had_grad[i]
                 p.grad = torch.zeros_like(p) if had else None  # zero_grad(set_to_none=False) leaves zeros
-            for mb in micro:
+                if p.requires_grad:
+                    handles.append(p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                        lambda q, i=i: stream.accumulated(i, q)))
+            for k, mb in enumerate(micro):
                 loss = self._loss_of(mb)
+                stream.begin(k)
                 scaled(loss, mb.scale, mb.grad_scale).backward()  # type: ignore[no-untyped-call]
                 losses.append(loss.detach().double())
-            return [p.grad for p in self._params]
+                del loss
+            for h in handles:
+                h.remove()
+            handles.clear()
+            if stream.late:  # rows taken before the last piece: redo, holding those parameters to the end
+                raise _Again()
+            stream.settle(zeros=True, fields=True)
         finally:
+            for h in handles:
+                h.remove()
             for p, g in zip(self._params, saved, strict=True):
                 p.grad = g
+        return self._result(losses, stream)
 
     def _loss_of(self, mb: MicroBatch) -> torch.Tensor:
         """The micro-batch's loss under the origin's RNG and autocast state."""
@@ -153,33 +333,17 @@ class Recomputer:
             if dev_rng is not None:
                 torch.cuda.set_rng_state(dev_rng, self._device)
 
-    def _result(self, losses: list[torch.Tensor], total: Sequence[torch.Tensor | None]) -> Result:
-        fps = torch.zeros((len(self._params), 1), dtype=torch.int64, device=self._device)
-        # A trainable parameter without a gradient in this step (unused with find_unused_parameters=True, an expert
-        # that got no token) was reduced as zeros: the origin's local gradient record holds a zero slot for it.
-        total = [g if g is not None or self.lockstep is not None else torch.zeros_like(p)
-                 for g, p in zip(total, self._params, strict=True)]
-        present = [(i, g) for i, g in enumerate(total) if g is not None]
-        if present:
-            rows = fingerprint([g for _, g in present]).to(self._device)
-            if rows.shape[1] != fps.shape[1]:
-                fps = torch.zeros((len(self._params), rows.shape[1]), dtype=torch.int64, device=self._device)
-            fps[torch.tensor([i for i, _ in present], device=self._device)] = rows
+    def _result(self, losses: list[torch.Tensor], stream: _Stream) -> Result:
+        fps = stream.fps if stream.fps is not None else torch.zeros((len(self._params), 1), dtype=torch.int64,
+                                                                    device=self._device)
         # Everything stays on the device until one copy to the host at the end: O(1) synchronisations per audit,
         # not one per parameter or micro-batch.
-        norms = torch.zeros(len(self._params), dtype=torch.float32, device=self._device)
-        if present:
-            norms[[i for i, _ in present]] = torch.stack(
-                [torch.linalg.vector_norm(g, dtype=torch.float32) for _, g in present]).to(self._device)
-        sketch_rows = torch.zeros((len(self._params), WIDTH), dtype=torch.float64, device=self._device)
-        if self.mode == "tolerance" and present:
-            sketch_rows[[i for i, _ in present]] = sketch([g for _, g in present]).to(self._device)
         scalars = [digest(fps).reshape(1).view(torch.float64)]  # the digest's bits, reinterpreted, not converted
         scalars += [loss.reshape(1).to(self._device) for loss in losses]
         host = torch.cat(scalars).cpu()
         fp = int(host[:1].view(torch.int64).item())
-        return Result([float(x) for x in host[1:].tolist()], fp, norms.cpu(),
-                       sketch_rows.cpu() if self.mode == "tolerance" else None)
+        return Result([float(x) for x in host[1:].tolist()], fp, stream.norms.cpu(),
+                       stream.sketch.cpu() if stream.sketch is not None else None)
 
 
 def autocast_state(device: torch.device) -> tuple[bool, torch.dtype] | None:

@@ -16,8 +16,9 @@ The monitor asks its layout and never the model's type. A layout answers:
   fingerprint and the reduced-gradient norm read) and ``whole(named)`` (whole tensors for a certificate, one at a
   time);
 - **how a replica recomputes a micro-batch**: ``lockstep`` (the recomputation runs collectives, so every rank
-  recomputes at once) and ``recompute(params, run_backward)`` (run forward and backward without touching ``.grad``
-  or the training state, returning the accumulated local gradients; None where plain autograd does it).
+  recomputes at once) and ``recompute(params, run_backward, take)`` (run forward and backward without touching
+  ``.grad`` or the training state, handing ``take(i, grad, divide)`` each parameter's local gradient the moment it is
+  accumulated, so that it is measured and dropped; only lockstep layouts: elsewhere plain autograd does it).
 
 Adding a parallelism means adding an adapter module here and one line in ``layout_for``: no change to the monitor.
 """
@@ -164,10 +165,12 @@ class Layout:
 
     # -- replay --------------------------------------------------------------------------------------------------
 
-    def recompute(self, params: Sequence[torch.nn.Parameter], run_backward: Callable[[], None]
-                  ) -> list[torch.Tensor | None] | None:
-        """Recompute through collectives (``lockstep`` layouts); None: the replay uses plain autograd."""
-        return None
+    def recompute(self, params: Sequence[torch.nn.Parameter], run_backward: Callable[[], None],
+                  take: Callable[[int, torch.Tensor, float | None], None]) -> None:
+        """Recompute through collectives (``lockstep`` layouts), handing ``take(i, grad, divide)`` each accumulation
+        of parameter i's local gradient (owned by ``take``; ``divide``: the factor the reduction divides the
+        accumulated input by, None for none); other layouts are recomputed with plain autograd by the replay."""
+        raise NotImplementedError(f"the {self.name} layout does not recompute in lockstep")
 
     def describe(self) -> str:
         return f"{self.name} over {self.world} rank(s)"

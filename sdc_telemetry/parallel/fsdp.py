@@ -15,9 +15,11 @@ to the fingerprint of the unsharded gradient: dim-0 padding sits at the end). Th
 
 Replay: every rank recomputes its origin's micro-batches through the FSDP model at the same time (the all-gathers of
 every shard group line up), with gradient sync off and a post-accumulate-grad hook on each unsharded parameter that
-accumulates the gradient (in the reduce dtype, as FSDP does) and drops it, so nothing is reduced into ``.grad`` and the
-reshard state, optimizer and RNG are unchanged. Memory: one unsharded gradient at a time, plus the accumulated
-unsharded gradients of the micro-batches of one step (as FSDP itself holds them under gradient accumulation).
+takes the gradient off ``.grad`` (in the reduce dtype, as FSDP reduces it) and hands it to the replay, which measures
+it once final and drops it, so nothing is reduced into ``.grad`` and the reshard state, optimizer and RNG are
+unchanged. Memory: one unsharded gradient at a time (one micro-batch), plus the running sums of the step's earlier
+micro-batches under gradient accumulation (as FSDP itself holds them). ``whole`` gathers one tensor at a time and
+keeps no reference to it.
 
 Parts of FSDP2 read here that are not public API (torch 2.13): ``FSDPModule._get_fsdp_state()._fsdp_param_groups``,
 ``FSDPParamGroup.fsdp_params / _reduce_scatter_comm / _reduce_dtype / reduce_grads / all_reduce_grads /
@@ -189,49 +191,44 @@ class GradTap:
         store(idx, views, fps if detail else None)
 
 
-def recompute_grads(layout: FSDPLayout, params: Sequence[torch.nn.Parameter], run_backward: Callable[[], None]
-                    ) -> list[torch.Tensor | None]:
+def recompute_grads(layout: FSDPLayout, params: Sequence[torch.nn.Parameter], run_backward: Callable[[], None],
+                    take: Callable[[int, torch.Tensor, float | None], None]) -> None:
     """Run ``run_backward`` (forward and backward of the micro-batches, on every rank at once) with gradient sync off,
-    collecting each parameter's unsharded gradient, accumulated in the reduce dtype; nothing reaches ``.grad``."""
+    handing ``take(i, grad, divide)`` each accumulation of parameter i's unsharded gradient, in the reduce dtype, the
+    moment it is accumulated; ``divide``: the factor FSDP divides the reduce-scatter input by (fp16), None where it
+    does not. Nothing reaches ``.grad`` and nothing is kept here: the caller drops each gradient once measured."""
     index = {id(p): i for i, p in enumerate(params)}
-    acc: list[torch.Tensor | None] = [None] * len(params)
     handles = []
     saved = [(pg.reduce_grads, pg.all_reduce_grads) for _, pg in layout.groups]
 
-    def hook_for(i: int, dtype: torch.dtype | None) -> Callable[[torch.Tensor], None]:
+    def hook_for(i: int, dtype: torch.dtype | None, divide: float | None) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
-            g = p.grad
-            if g is not None:
-                g = g.to(dtype or g.dtype)
-                acc[i] = g if acc[i] is None else acc[i].add_(g)  # type: ignore[union-attr]
-            p.grad = None  # FSDP's post-backward then has nothing to reduce or accumulate
+            grad, p.grad = p.grad, None  # FSDP's post-backward then has nothing to reduce or accumulate
+            if grad is not None:
+                grad = grad.to(dtype or grad.dtype)
+                take(i, grad, divide)
+            del grad
         return hook
 
     try:
         for _, pg in layout.groups:
+            # FSDP divides the reduce-scatter input before the collective when the reduce dtype risks overflow
+            # (fp16): the tap saw the divided gradients, so the recomputation divides the same way.
+            factor = _predivide_factor(pg)
+            divide = factor if factor is not None and factor != 1 else None
             for fp in pg.fsdp_params:
                 i = index.get(id(fp.sharded_param))
                 if i is not None:
                     handles.append(fp.unsharded_param.register_post_accumulate_grad_hook(
-                        hook_for(i, pg._reduce_dtype)))
+                        hook_for(i, pg._reduce_dtype, divide)))
         for module, _ in layout.groups:
             module.set_requires_gradient_sync(False, recurse=False)
         run_backward()
-        # FSDP divides the reduce-scatter input before the collective when the reduce dtype risks overflow
-        # (fp16): the tap saw the divided gradients, so the recomputation divides the same way.
-        for _, pg in layout.groups:
-            factor = _predivide_factor(pg)
-            if factor is not None and factor != 1:
-                for fp in pg.fsdp_params:
-                    i = index.get(id(fp.sharded_param))
-                    if i is not None and acc[i] is not None:
-                        acc[i].div_(factor)  # type: ignore[union-attr]
     finally:
         for (_, pg), (reduce, all_reduce) in zip(layout.groups, saved, strict=True):
             pg.reduce_grads, pg.all_reduce_grads = reduce, all_reduce
         for h in handles:
             h.remove()
-    return acc
 
 
 def _predivide_factor(pg: Any) -> float | None:
@@ -296,9 +293,9 @@ class FSDP(Layout):
         for name, p in named:  # gathered from the shards on every rank (collective), one tensor at a time
             yield name, p.full_tensor()  # type: ignore[attr-defined]
 
-    def recompute(self, params: Sequence[torch.nn.Parameter], run_backward: Callable[[], None]
-                  ) -> list[torch.Tensor | None] | None:
-        return recompute_grads(self.mesh, params, run_backward)
+    def recompute(self, params: Sequence[torch.nn.Parameter], run_backward: Callable[[], None],
+                  take: Callable[[int, torch.Tensor, float | None], None]) -> None:
+        recompute_grads(self.mesh, params, run_backward, take)
 
     def weight_classes(self, classes: Sequence[int] | None) -> list[Any] | None:
         """Per position: (numerics class, shard index): weights are compared among replicas of the same shard."""
