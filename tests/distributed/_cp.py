@@ -187,12 +187,13 @@ def reference_train(steps: int, n_dp: int, lr: float = 1e-2) -> dict[str, Any]:
 
 def train(rank: int, steps: int, monitor_factory: Callable[..., Any] | None = None, *,
           shape: tuple[int, ...] = (2, 2), names: tuple[str, ...] = ("dp_shard", "cp"), lr: float = 1e-2,
-          rerun: bool = False) -> dict[str, Any]:
+          rerun: bool = False, report: Callable[[Any], Any] | None = None) -> dict[str, Any]:
     """Train ``steps`` steps of AdamW. ``monitor_factory(model, optimizer, loss_fn, mesh)`` makes an SDCMonitor used
     as ``with monitor.step(batch) as st: st.backward(loss_fn(model, batch))``. ``rerun``: after each backward every
     rank recomputes, under no_grad and all at once, the chunk of the same cp coordinate of the next data-parallel
-    index's batch (the lockstep a replay does). Returns the losses, the reruns, this rank's shards, the full weights
-    and the monitor's incidents."""
+    index's batch (the lockstep a replay does). ``report(monitor)``, called after ``monitor.close()``, adds any
+    picklable value as ``"report"`` (e.g. an observer's counts). Returns the losses, the reruns, this rank's shards,
+    the full weights and the monitor's incidents."""
     model, mesh = build_cp_model(shape, names)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     monitor = monitor_factory(model, opt, loss_fn, mesh) if monitor_factory is not None else None
@@ -226,7 +227,8 @@ def train(rank: int, steps: int, monitor_factory: Callable[..., Any] | None = No
             "weights": {n: p.to_local().detach().clone() for n, p in params.items()},
             "param_mesh": [tuple(p.device_mesh.mesh_dim_names or ()) for p in params.values()],
             "root_mesh": tuple(params["head.weight"].device_mesh._get_root_mesh().mesh_dim_names or ()),
-            "incidents": list(monitor.incidents) if monitor is not None else []}
+            "incidents": list(monitor.incidents) if monitor is not None else [],
+            "report": report(monitor) if report is not None and monitor is not None else None}
 
 
 def run_train(rank: int, world: int, kwargs: dict[str, Any]) -> dict[str, Any]:
