@@ -33,6 +33,8 @@ bench: setup
 	$(PY) benchmarks/audit.py
 	$(PY) benchmarks/scale.py
 	$(PY) benchmarks/hsdp.py
+	$(PY) benchmarks/nd.py
+	$(PY) benchmarks/nd.py --campaign
 	$(PY) benchmarks/campaign.py
 	$(PY) benchmarks/prometheus_scale.py
 
