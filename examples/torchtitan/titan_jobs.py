@@ -11,7 +11,9 @@ from dataclasses import fields
 
 import cpu_workarounds
 from sdc_trainer import SDCSettings, SDCTrainer
+from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+from torchtitan.models.common.config_utils import decoder_vocab_size
 from torchtitan.models.llama3.config_registry import llama3_debugmodel
 from torchtitan.trainer import Trainer
 
@@ -41,7 +43,14 @@ def llama3_cpu_debugmodel() -> Trainer.Config:
 
 def llama3_cpu_debugmodel_sdc() -> SDCTrainer.Config:
     """The same job with an SDCMonitor in the training step (``sdc_trainer.SDCTrainer``): weights checked every
-    step, a replay audit every second step; ``--sdc.*`` flags change that."""
+    step, a replay audit every second step; ``--sdc.*`` flags change that.
+
+    The loss is torchtitan's plain ``CrossEntropyLoss`` instead of the debug model's ``ChunkedLossWrapper``: the
+    wrapper applies ``lm_head`` inside the loss, in 8 chunks, outside the stage module's forward, and the last
+    pipeline stage then reduce-scatters lm_head's and norm's gradients again outside their FSDP group's one
+    reduction; the monitor reads that as a repeated reduction (grad_local skipped on the last stage, replay skipped
+    everywhere). Same model, same numbers per token."""
     base = llama3_cpu_debugmodel()
+    base.loss = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(base.model_spec))
     return SDCTrainer.Config(**{f.name: getattr(base, f.name) for f in fields(base) if f.init},
                              sdc=SDCSettings())
