@@ -3,9 +3,10 @@
 ``apply()`` must run before anything from torchtitan but ``torchtitan.tools.utils`` is imported. It patches, at run
 time only:
 
-1. the device: torchtitan picks ``_get_available_device_type() or "cuda"`` at import, so on a CPU-only machine it
-   silently targets CUDA; here its ``device_type`` becomes ``"cpu"`` and ``device_module`` a small CPU stand-in for
-   the ``torch.cuda`` calls it makes (memory stats, device name, set_device);
+1. the device, where no CUDA device is available: torchtitan picks ``_get_available_device_type() or "cuda"`` at
+   import, so on a CPU-only machine it silently targets CUDA; here its ``device_type`` becomes ``"cpu"`` and
+   ``device_module`` a small CPU stand-in for the ``torch.cuda`` calls it makes (memory stats, device name,
+   set_device);
 2. the FSDP2 gradient reduction: torchtitan sets ``gradient_divide_factor=1.0``, which FSDP2 turns into a
    ``PREMUL_SUM`` reduce-scatter that gloo does not implement; forcing sum reductions (what torchtitan itself does
    for symmetric memory) keeps the same gradients with an op gloo has;
@@ -213,7 +214,8 @@ def apply() -> str:
         return folder
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    _patch_device()
+    if not torch.cuda.is_available():
+        _patch_device()
     _patch_fsdp_reduce_op()
     _patch_pg_timeouts()
     _patch_pipeline_step()
