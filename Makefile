@@ -12,7 +12,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[dev,ops,lightning,transformers,postgres]'
+	$(PY) -m pip install -q -e '.[dev,ops,lightning,transformers,postgres,torchtitan]'
 	touch $@
 
 lint: setup
