@@ -89,12 +89,15 @@ class StepMeasurer:
                                           S.JUMP_Q: self._outliers.jump(loss_q, norm_q)})
                 if self.config.grad_checks and layout.reduces:
                     t = time.perf_counter()
-                    reduced_norm = torch.linalg.vector_norm(grad_check.reduced_norms(self._params, self.device,
-                                                                                     view=layout.local))
-                    mismatch = layout.reduction_mismatch()  # the reduce-phase checksum (on the device), or None
+                    # The reduce-phase checksum (on the device), or None; where its pass read the reduced gradients'
+                    # norms bucket by bucket, they land in the record and need no second pass here.
+                    mismatch = layout.reduction_mismatch()
                     if mismatch is not None:
                         on_device[S.REDUCED_CHECKSUM] = mismatch
                         norms[3] = mismatch
+                    per_param = record.reduced if record.reduced is not None else \
+                        grad_check.reduced_norms(self._params, self.device, view=layout.local)
+                    reduced_norm = torch.linalg.vector_norm(per_param)
                     reduced_s = time.perf_counter() - t
                     host[S.REDUCED_MEASURED] = int(any(p.grad is not None for p in self._params))
                     nonfinite[1] = ~torch.isfinite(reduced_norm)

@@ -50,10 +50,14 @@ class GradRecord:
         self.repeated = False
         self.detail = False
         self.elapsed = 0.0  # seconds spent measuring in this step's backward
+        # Per-parameter norms of the reduced gradients, where the tap read them as each bucket's reduction came
+        # back (DDP's checksum pass): then the end of the step needs no second pass over the gradients.
+        self.reduced: torch.Tensor | None = None
         self._seen: set[int] = set()
 
     def reset(self, detail: bool = False) -> None:
         self.elapsed = 0.0
+        self.reduced = None
         self.norms.zero_()
         self.fp = None
         self.sketch = None
@@ -84,6 +88,19 @@ class GradRecord:
         gradients as flat tensors) or of ``grads``."""
         if index:
             self._store(index, grads, fp_grads)
+
+    def store_norms(self, index: list[int], norms: list[torch.Tensor]) -> None:
+        """Local-gradient norms the tap already took (float32, one per parameter at ``index``; healthy steps only:
+        detail steps need the gradients themselves, through ``store``)."""
+        if index:
+            self.norms.index_copy_(0, _index_tensor(tuple(index), self._device), torch.stack(norms).to(self._device))
+
+    def store_reduced(self, index: list[int], norms: torch.Tensor) -> None:
+        """The reduced gradients' norms the tap read with the reduction's checksum; kept only when they cover every
+        parameter (else the end of the step reads ``.grad``)."""
+        if len(index) == len(self._params) and len(set(index)) == len(index):
+            out = torch.zeros(len(self._params), dtype=torch.float32, device=self._device)
+            self.reduced = out.index_copy_(0, _index_tensor(tuple(index), self._device), norms.to(self._device))
 
     def measure_local(self) -> None:
         """Without a reduction (one process): the local gradients are ``.grad`` after backward."""

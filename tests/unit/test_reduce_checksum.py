@@ -10,10 +10,15 @@ import torch
 
 from sdc_telemetry.checks import grad
 from sdc_telemetry.core import status as S
+from sdc_telemetry.parallel import ddp
 from sdc_telemetry.parallel.ddp import (
-    BLOCK,
     CHUNK,
+    COLS,
+    ReduceChecksum,
+    _Pending,
+    _scale_and_measure,
     _signs,
+    _View,
     chunk_constants,
     chunk_sums,
     compare,
@@ -92,16 +97,95 @@ def test_corruption_inside_the_reduction_is_seen(world: int) -> None:
             assert _flag(xs, bad) == 1, (i, bad[i].item())
 
 
-def test_blocks_that_trade_places_are_seen_where_their_weights_differ() -> None:
-    """Two blocks of 16 elements swapped (a wrong address inside the reduction) change S when their signs differ."""
-    xs = _grads(3, 5000, torch.float32, 2)
+def test_runs_that_trade_places_are_seen() -> None:
+    """Two runs of 16 or 64 elements a power-of-two distance apart, swapped (a wrong address inside the reduction),
+    change S: a column is 4093 elements apart, never a power of two."""
+    xs = _grads(3, 3 * CHUNK, torch.float32, 2)
     good = _reduce(xs, "tree")
+    for length in (16, 64):
+        for distance in (256, 4096, 32768):
+            for p in (5 * 64, CHUNK - 2 * 64):
+                q = p + distance
+                bad = good.clone()
+                bad[p:p + length], bad[q:q + length] = good[q:q + length].clone(), good[p:p + length].clone()
+                assert _flag(xs, bad) == 1, (length, distance, p)
+
+
+def test_chunk_layout_is_rows_of_columns_with_signs_per_column() -> None:
+    """S is sum_c w_c * (column c's float32 sum): chunk i's element j sits in column j % COLS; the last chunk's
+    partial row counts as zeros (no padded copy), and A is the sum of |x|."""
+    x = _grads(1, 2 * CHUNK + 3 * COLS + 17, torch.float32, 5)[0]
     w = _signs(torch.device("cpu"))
-    p, q = next((p, q) for p in range(2, 60) for q in range(p + 1, 100) if w[p] != w[q])
-    bad = good.clone()
-    bad[p * BLOCK:(p + 1) * BLOCK], bad[q * BLOCK:(q + 1) * BLOCK] = (good[q * BLOCK:(q + 1) * BLOCK].clone(),
-                                                                      good[p * BLOCK:(p + 1) * BLOCK].clone())
-    assert _flag(xs, bad) == 1
+    sums = chunk_sums(x)
+    for c in range(3):
+        part = x[c * CHUNK:(c + 1) * CHUNK].double()
+        cols = torch.zeros(COLS, dtype=torch.float64)
+        cols.index_add_(0, torch.arange(part.numel()) % COLS, part)
+        assert float(sums[0, c]) == pytest.approx(float(cols @ w), rel=1e-5, abs=1e-9)
+        assert float(sums[1, c]) == pytest.approx(float(part.abs().sum()), rel=1e-6)
+    assert torch.equal(weighted_sums(x), sums[0])
+
+
+def _bucket(sizes: list[int], seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor], tuple[_View, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    flat = torch.randn(sum(sizes), generator=g) * torch.exp(torch.randn(sum(sizes), generator=g))
+    views, places, off = [], [], 0
+    for i, n in enumerate(sizes):
+        views.append(flat[off:off + n])
+        places.append(_View(off, n, i if i % 3 != 2 else -1))  # every third one not monitored (frozen)
+        off += n
+    return flat, views, tuple(places)
+
+
+@pytest.mark.parametrize("aliased", ["none", "all", "mixed"])
+def test_piecewise_scaling_and_measuring_equal_the_whole_bucket_passes(aliased: str, monkeypatch: pytest.MonkeyPatch
+                                                                       ) -> None:
+    """Pieces smaller than some gradients: the scaled bucket is bitwise DDP's one-pass scaling, every monitored
+    local norm bitwise one _foreach_norm of its whole gradient, the sums those of the whole bucket."""
+    monkeypatch.setattr(ddp, "PIECE", CHUNK)
+    sizes = [5, 3 * CHUNK + 11, 0, 700, CHUNK, 2 * CHUNK - 3, 1, 40000, 9]
+    flat, views, places = _bucket(sizes)
+    alias = {"none": [False] * len(sizes), "all": [True] * len(sizes),
+             "mixed": [i % 2 == 0 for i in range(len(sizes))]}[aliased]
+    expect = flat.clone()
+    for j, v in enumerate(torch.split(expect, sizes)):
+        v.copy_(v / 3) if alias[j] else v.copy_(v * (1.0 / 3))
+    norms_ref = torch.stack(torch._foreach_norm([v for v, p in zip(views, places, strict=True) if p.index >= 0],
+                                                2, dtype=torch.float32))
+    got: dict[str, object] = {}
+    checksum = ReduceChecksum()
+    pending = _Pending(lambda i, n: got.update(index=i, norms=n), lambda: got.update(failed=True), places)
+    _scale_and_measure(flat, views, alias, 3, places, pending, checksum, 0)
+    assert torch.equal(flat, expect) and "failed" not in got and pending.taken
+    assert got["index"] == [p.index for p in places if p.index >= 0]
+    assert torch.equal(torch.stack(got["norms"]), norms_ref)  # type: ignore[arg-type]
+    local = checksum._round.local[0]
+    assert torch.allclose(local, chunk_sums(expect), rtol=1e-6, atol=1e-9)
+
+
+def test_reduced_pass_reads_norms_with_the_checksum_and_hands_them_over_once(monkeypatch: pytest.MonkeyPatch
+                                                                              ) -> None:
+    """S' and the reduced norms in one pass; after mismatch() folds the round, reduced_norms() gives every
+    monitored parameter's norm once (None where a bucket's were not read)."""
+    monkeypatch.setattr(ddp, "PIECE", CHUNK)
+    flat, views, places = _bucket([CHUNK + 5, 12, 2 * CHUNK])
+    checksum = ReduceChecksum()
+    checksum.local(0, flat)
+    r = checksum._round
+    r.work, r.sums, r.world = _Done(), torch.cat([r.local[0][0], r.local[0][1], torch.ones(1, dtype=torch.float64)]), 1
+    checksum.reduced(0, flat, places)
+    assert torch.allclose(r.reduced[0], weighted_sums(flat), rtol=1e-6, atol=1e-9)
+    flag = checksum.mismatch()
+    assert flag is not None and int(flag) == 0
+    found = checksum.reduced_norms()
+    assert found is not None and found[0] == [0, 1]
+    assert torch.equal(found[1], torch.stack(torch._foreach_norm(views[:2], 2, dtype=torch.float32)))
+    assert checksum.reduced_norms() is None
+
+
+class _Done:
+    def wait(self) -> None:
+        """Already complete."""
 
 
 def test_a_true_overflow_is_numerics_not_a_mismatch() -> None:
