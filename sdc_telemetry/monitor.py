@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from sdc_telemetry.checks import grad as grad_check
 from sdc_telemetry.checks.outliers import OutlierTrigger
-from sdc_telemetry.checks.replay import ReplayCheck
+from sdc_telemetry.checks.replay import ReplayCheck, pipeline_loss
 from sdc_telemetry.checks.triggers import TriggeredAudits
 from sdc_telemetry.checks.weights import WeightsCheck
 from sdc_telemetry.core import status as S
@@ -80,11 +80,12 @@ class SDCMonitor:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: LossFn | None = None, config: SDCConfig | None = None, *, start_step: int = 0,
                  replica_group: dist.ProcessGroup | None = None, comm_hook: Any = None, comm_state: Any = None,
-                 mesh: Any = None, sinks: Sinks | None = None, observer: Observer | None = None, registry: Any = None,
+                 mesh: Any = None, pipeline: Any = None, sinks: Sinks | None = None,
+                 observer: Observer | None = None, registry: Any = None,
                  meter_provider: Any = None, nvml: Any = None) -> None:
         self._closed = True  # until construction succeeds: close() then does nothing
         self.layout = layout = layout_for(model, replica_group=replica_group, comm_hook=comm_hook,
-                                          comm_state=comm_state, mesh=mesh)
+                                          comm_state=comm_state, mesh=mesh, pipeline=pipeline)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
@@ -108,7 +109,7 @@ class SDCMonitor:
                                                          for m in self.module.modules()):
             raise ValueError("SyncBatchNorm computes its statistics across ranks, so a replay of one rank's "
                              "micro-batch cannot reproduce it; set SDCConfig(replay_every=0) for this model")
-        if replicas and self.config.replay_every and loss_fn is None:
+        if replicas and self.config.replay_every and loss_fn is None and not layout.pipelined:
             raise ValueError(f"SDCConfig.replay_every={self.config.replay_every} needs loss_fn= (called as "
                              "loss_fn(module, batch) -> scalar loss to recompute a step); pass it, or set "
                              "replay_every=0")
@@ -141,8 +142,9 @@ class SDCMonitor:
         self._replay = ReplayCheck(self.module, loss_fn, named, layout.group, self._ranks, self.identities,
                                    self.device, self.mode, self.config.tolerance, self.config.replay_every,
                                    recompute=layout.recompute if layout.lockstep else None, every_step=triggers,
-                                   units=layout.replay_units()) \
-            if replicas and (self.config.replay_every or triggers) and loss_fn is not None else None
+                                   units=layout.replay_units(), rerun=getattr(layout, "rerun", None)) \
+            if replicas and (self.config.replay_every or triggers) and (loss_fn is not None or layout.pipelined) \
+            else None
         self._record = grad_check.GradRecord(self._params, self.device)
         self._record.sketching = self.mode == "tolerance"
         self._outliers = OutlierTrigger() if triggers and self._replay is not None else None
@@ -166,6 +168,7 @@ class SDCMonitor:
         self._open = False
         self._abandoned = False  # a step's block raised: the ranks' collectives can no longer be matched
         self._scaler_used = False
+        self._pipelined_step: int | None = None
         self._ended_since_update = True
         self._last_passing_audit: int | None = None
         self._warned: set[str] = set()
@@ -324,6 +327,28 @@ class SDCMonitor:
         if self._outliers is not None:
             part = loss.detach().double() * scale
             self._loss = part if self._loss is None else self._loss + part
+
+    def pipeline_step(self, inputs: tuple[Any, ...], target: Any, kwargs: dict[str, Any]) -> list[torch.Tensor] | None:
+        """One ``schedule.step`` of a pipeline stage (``StepContext.pipeline_step``): the step's whole batch is its
+        one replay unit (the replay reruns the schedule), and the loss recorded is the sum of the last stage's
+        per-micro-batch losses (0 on the other stages)."""
+        layout = self.layout
+        if not layout.pipelined:
+            raise RuntimeError("step.pipeline_step() runs a pipeline schedule: create the monitor with "
+                               "SDCMonitor(stage_module, optimizer, pipeline=schedule)")
+        if self._pipelined_step == self._step:
+            raise RuntimeError("step.pipeline_step() runs once per `with monitor.step(...)` block (one schedule step "
+                               "per optimizer step)")
+        self._pipelined_step = self._step
+        had_grad = [p.grad is not None for p in self._params]
+        if self._replay is not None:
+            self._replay.pipeline_batch((inputs, target, kwargs))
+        losses: list[torch.Tensor] | None = layout.step(*inputs, target=target, **kwargs)  # type: ignore[attr-defined]
+        loss = pipeline_loss(losses, self.device)
+        self.record_loss(loss, 1.0, None)
+        if self._replay is not None:
+            self._replay.set_had_grad(had_grad)
+        return losses
 
     def abandon_step(self) -> None:
         """The step's block raised on this rank: no checks (the other ranks' collectives cannot be matched)."""

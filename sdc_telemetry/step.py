@@ -22,6 +22,9 @@ class StepDriver(Protocol):
 
     def record_loss(self, loss: torch.Tensor, scale: float, grad_scale: torch.Tensor | None) -> None: ...
 
+    def pipeline_step(self, inputs: tuple[Any, ...], target: Any, kwargs: dict[str, Any]
+                      ) -> list[torch.Tensor] | None: ...
+
     def abandon_step(self) -> None: ...
 
     def end_step(self) -> None: ...
@@ -95,6 +98,14 @@ class StepContext:
         """``(loss * scale)`` (then ``scaler.scale(...)``) ``.backward()``, recording ``loss`` for the replay."""
         grad_scale = self._record(loss, scale, scaler)
         scaled(loss, scale, grad_scale).backward()  # type: ignore[no-untyped-call]
+
+    def pipeline_step(self, *inputs: Any, target: Any = None, **kwargs: Any) -> list[torch.Tensor] | None:
+        """Under ``SDCMonitor(stage_module, optimizer, pipeline=schedule)``: one ``schedule.step`` with what this stage
+        needs (``inputs`` on the first stage, ``target`` on the last; every stage may pass both). Returns the
+        per-micro-batch losses on the last stage, else None. Once per step; the replay reruns the whole schedule step
+        on a partner replica with this batch and this step's RNG states."""
+        self._require_active("pipeline_step")
+        return self._monitor.pipeline_step(inputs, target, kwargs)
 
     def record_loss(self, loss: torch.Tensor, *, scale: float = 1.0, scaler: Any = None) -> None:
         """Record a micro-batch's loss without running backward (the framework runs it): the backpropagated tensor

@@ -35,7 +35,7 @@ from sdc_telemetry.checks.shipping import MicroBatch
 from sdc_telemetry.checks.sketch import WIDTH, sketch
 from sdc_telemetry.core.fingerprint import digest, fingerprint
 
-__all__ = ["Recomputer", "Recompute", "Take", "Result", "scaled", "autocast_state"]
+__all__ = ["Recomputer", "Recompute", "Take", "Result", "scaled", "autocast_state", "pipeline_loss"]
 
 # ``take(i, grad, divide)``: one accumulation of parameter i's local gradient, as the reduction would consume it (the
 # reduce dtype), owned by the callee (nothing else refers to it); ``divide``: the factor the reduction's input is
@@ -175,15 +175,16 @@ def _released(grad: torch.Tensor) -> torch.Tensor:
 class Recomputer:
     """Recomputes micro-batches for the replay (one per ReplayCheck)."""
 
-    def __init__(self, module: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    def __init__(self, module: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None,
                  params: Sequence[torch.nn.Parameter], device: torch.device, mode: str,
-                 lockstep: Recompute | None = None) -> None:
+                 lockstep: Recompute | None = None, *, rerun: Callable[..., Any] | None = None) -> None:
         self._module = module
         self._loss_fn = loss_fn
         self._params = list(params)
         self._device = device
         self.mode = mode
         self.lockstep = lockstep
+        self.rerun = rerun  # a pipeline stage: the partner replica reruns the origin's whole schedule step
         self.through_grad_fields = False  # recompute through .grad (reentrant checkpointing), not autograd.grad
         self.replaying = False  # a recomputation is running (the forward pre-hook must not capture it)
         self._held: set[int] = set()  # parameters whose gradient arrives in several pieces per backward
@@ -200,6 +201,8 @@ class Recomputer:
     def _run(self, micro: Sequence[MicroBatch]) -> Result:
         losses: list[torch.Tensor] = []
         with self._preserved():
+            if self.rerun is not None:
+                return self._rerun_schedule(micro, losses)
             if self.lockstep is not None:
                 return self._lockstep(micro, losses)
             if not self.through_grad_fields:
@@ -240,6 +243,31 @@ class Recomputer:
             raise RuntimeError(f"the gradient of parameter {stream.late[0]} arrived in several pieces within one "
                                "backward (a parameter shared by reentrant checkpointed regions): this audit is not "
                                "measured; later audits hold it until the backward ends")
+        return self._result(losses, stream)
+
+    def _rerun_schedule(self, micro: Sequence[MicroBatch], losses: list[torch.Tensor]) -> Result:
+        """A pipeline stage: every stage of this replica reruns the origin replica's schedule step at once (the
+        stage-to-stage sends line up), with the origin's same-stage RNG states; nothing reaches ``.grad`` or the
+        schedule's state. The recorded loss is the last stage's sum of micro-batch losses (0 elsewhere)."""
+        assert self.rerun is not None
+        if len(micro) != 1:
+            raise RuntimeError(f"a pipeline step is one replay unit (one step.pipeline_step() per step), got "
+                               f"{len(micro)} micro-batches")
+        mb = micro[0]
+        inputs, target, kwargs = mb.batch
+        result = self.rerun(*inputs, target=target, cpu_rng=mb.cpu_rng, dev_rng=mb.dev_rng, had_grad=mb.had_grad,
+                            params=self._params, autocast=mb.autocast, **kwargs)
+        losses.append(pipeline_loss(result.losses, self._device))
+        stream = self._stream(micro)
+        stream.begin(0)
+        grads = result.grads
+        del result
+        for i in range(len(grads)):
+            grad, grads[i] = grads[i], None
+            if grad is not None:
+                stream.piece(i, grad, owned=True)
+            del grad
+        stream.settle(zeros=True)  # DDP's reduction zero-fills a parameter without a gradient
         return self._result(losses, stream)
 
     def _by_grad(self, micro: Sequence[MicroBatch], losses: list[torch.Tensor]) -> Result:
@@ -313,6 +341,8 @@ class Recomputer:
         ctx = (torch.autocast(self._device.type, dtype=mb.autocast[1])
                if mb.autocast is not None and mb.autocast[0] else nullcontext())
         with torch.enable_grad(), ctx:
+            if self._loss_fn is None:
+                raise RuntimeError("replay needs loss_fn(module, batch) -> scalar loss")
             return self._loss_fn(self._module, mb.batch)
 
     @contextmanager
@@ -344,6 +374,14 @@ class Recomputer:
         fp = int(host[:1].view(torch.int64).item())
         return Result([float(x) for x in host[1:].tolist()], fp, stream.norms.cpu(),
                        stream.sketch.cpu() if stream.sketch is not None else None)
+
+
+def pipeline_loss(losses: Sequence[torch.Tensor] | None, device: torch.device) -> torch.Tensor:
+    """The loss a pipeline stage records for its step: the last stage's per-micro-batch losses summed in float64 in
+    order (bitwise reproducible), 0 on the other stages."""
+    if not losses:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack([loss.detach().double().reshape(()).to(device) for loss in losses]).sum()
 
 
 def autocast_state(device: torch.device) -> tuple[bool, torch.dtype] | None:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from sdc_telemetry.checks.calibration import AUTO_FLOOR, Calibration, histogram, noise_median
 from sdc_telemetry.checks.pairing import Outcome, attribute, plan_pairs, plan_replica_pairs
-from sdc_telemetry.checks.recompute import Recompute, Recomputer, autocast_state, scaled
+from sdc_telemetry.checks.recompute import Recompute, Recomputer, autocast_state, pipeline_loss, scaled
 from sdc_telemetry.checks.shipping import MicroBatch, check_shippable, exchange
 from sdc_telemetry.checks.sketch import delta as sketch_delta
 from sdc_telemetry.core.collective import agree, collective_device, gather_rows, sum_counts
@@ -35,7 +35,7 @@ from sdc_telemetry.core.findings import Finding
 from sdc_telemetry.core.identity import RankIdentity
 
 __all__ = ["ReplayCheck", "Measurement", "Outcome", "attribute", "plan_pairs", "scaled", "check_shippable",
-           "noise_median"]
+           "pipeline_loss", "noise_median"]
 
 _CALIBRATE_EVERY = 10  # audits between noise-floor recalibrations in tolerance="auto"
 
@@ -58,13 +58,14 @@ class ReplayCheck:
                  ranks: Sequence[int], identities: dict[int, RankIdentity], device: torch.device, mode: str,
                  tolerance: float | str, every: int, recompute: Recompute | None = None,
                  every_step: bool = False, units: tuple[list[int], list[int]] | None = None,
-                 coordinate_of: Callable[[int], dict[str, int] | None] | None = None) -> None:
-        if loss_fn is None:
+                 coordinate_of: Callable[[int], dict[str, int] | None] | None = None,
+                 rerun: Callable[..., Any] | None = None) -> None:
+        if loss_fn is None and rerun is None:
             raise ValueError("replay needs loss_fn(module, batch) -> scalar loss")
         self._params = [p for _, p in named_params]
         # Layouts whose recomputation runs collectives (FSDP2): every rank recomputes at once, through ``recompute``.
         self._lockstep = recompute
-        self._recomputer = Recomputer(module, loss_fn, self._params, device, mode, recompute)
+        self._recomputer = Recomputer(module, loss_fn, self._params, device, mode, recompute, rerun=rerun)
         self._group = group
         self._ranks = list(ranks)
         self._pos = self._ranks.index(dist.get_rank())
@@ -155,6 +156,21 @@ class ReplayCheck:
             mb.had_grad = [p.grad is not None for p in self._params]
             if mb.autocast is None:
                 mb.autocast = autocast_state(self._device)
+
+    def pipeline_batch(self, batch: tuple[Any, ...]) -> None:
+        """A pipeline stage's step: ``(inputs, target, kwargs)`` of its ``schedule.step`` is the replay unit (the RNG
+        states were captured when the step opened)."""
+        check_shippable(batch)
+        if not self._micro:
+            self.capture(batch)
+        elif self._capturing:
+            self._micro[-1].batch = batch
+
+    def set_had_grad(self, had_grad: list[bool]) -> None:
+        """Which parameters held ``.grad`` before the step's backward (a pipeline stage records its loss after the
+        schedule ran the backward)."""
+        if self._capturing and self._micro:
+            self._micro[-1].had_grad = had_grad
 
     # -- the audit (end of the step, before the update) ----------------------------------------------------------
 
@@ -390,3 +406,4 @@ def _rel(a: float, b: float) -> float:
 
 def _same_bits(a: float, b: float) -> bool:
     return struct.pack("<d", a) == struct.pack("<d", b)
+

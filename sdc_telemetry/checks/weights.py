@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 import torch.distributed as dist
 
-from sdc_telemetry.core.collective import agree, collective_device, gather_rows
+from sdc_telemetry.core.collective import agree, collective_device, gather_objects, gather_ragged
 from sdc_telemetry.core.evidence import MAX_ITEMS, top
 from sdc_telemetry.core.findings import Finding
 from sdc_telemetry.core.fingerprint import digest, fingerprint, format_fingerprint
@@ -31,6 +31,7 @@ class WeightsCheck:
                  ranks: Sequence[int], classes: Sequence[Hashable] | None = None,
                  local: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.names = [n for n, _ in named_params]
+        self._names_of: list[list[str]] | None = None
         self._params = [p for _, p in named_params]
         self._local = local
         self._group = group
@@ -68,6 +69,14 @@ class WeightsCheck:
             finding = self.gather(table)
         return finding, "fail" if finding is not None else "pass"
 
+    def _names_by_position(self) -> list[list[str]]:
+        """Every position's parameter names (gathered at the first vote, once: pipeline stages hold different
+        parameters, and the evidence must name each suspect's own, identically on every rank)."""
+        if self._names_of is None:
+            gathered = gather_objects(list(self.names), self._group)
+            self._names_of = [[str(n) for n in names] if isinstance(names, list) else [] for names in gathered]
+        return self._names_of
+
     def _same_split(self, table: torch.Tensor) -> bool:
         """Collective: do the same ranks still disagree with their class's consensus as at the last vote? Each
         class's reference rank (a member of its consensus) contributes its digest, every rank compares its own."""
@@ -90,9 +99,10 @@ class WeightsCheck:
         """Rare path (digests differ): gather every rank's ``table`` (of the step being decided) and vote, within
         numerics classes."""
         cols = table.shape[1]
-        rows = gather_rows(table.reshape(-1), self._group)
-        tables = [[tuple(r[i * cols:(i + 1) * cols]) for i in range(len(self.names))] for r in rows]
-        finding = decide(tables, self._ranks, self.names, self._classes)
+        rows = gather_ragged(table.reshape(-1), self._group)
+        names = self._names_by_position()
+        tables = [[tuple(r[i * cols:(i + 1) * cols]) for i in range(len(r) // cols)] for r in rows]
+        finding = decide(tables, self._ranks, names, self._classes)
         ref = finding.evidence.get("majority_rank") if finding is not None else None
         self.majority = tables[self._ranks.index(ref)] if isinstance(ref, int) else None
         refs, off = _split_of(tables, self._classes)
@@ -121,14 +131,18 @@ def _split_of(tables: Sequence[Sequence[Sequence[int]]], classes: Sequence[Hasha
     return refs, off
 
 
-def decide(tables: Sequence[Sequence[Sequence[int]]], ranks: Sequence[int], names: Sequence[str],
-           classes: Sequence[Hashable] | None = None) -> Finding | None:
+def decide(tables: Sequence[Sequence[Sequence[int]]], ranks: Sequence[int],
+           names: Sequence[str] | Sequence[Sequence[str]], classes: Sequence[Hashable] | None = None
+           ) -> Finding | None:
     """Vote on per-rank parameter fingerprints (``tables[i][p]``: the fingerprint row of rank position i's parameter p).
 
     ``classes`` (numerics signatures by position): replicas on different hardware or software may legitimately
     round differently, so only ranks of the same class are compared; a rank alone in its class is not voted on.
-    Evidence names the differing parameters and fingerprints, bounded in size at any world size.
+    Evidence names the differing parameters and fingerprints, bounded in size at any world size. ``names``: the
+    parameter names (the same on every rank), or each position's own (pipeline stages).
     """
+    by_pos: Sequence[Sequence[str]] = ([names] * len(tables)  # type: ignore[list-item]
+                                       if not names or isinstance(names[0], str) else names)  # type: ignore[assignment]
     groups: dict[Hashable, list[int]] = {}
     for pos in range(len(tables)):
         groups.setdefault(classes[pos] if classes is not None else 0, []).append(pos)
@@ -154,13 +168,14 @@ def decide(tables: Sequence[Sequence[Sequence[int]]], ranks: Sequence[int], name
     evidence: dict[str, object] = {
         "ambiguous": ambiguous,
         "suspect_count": len(suspects),
-        "differing_parameters": {str(ranks[p]): [names[c] for c in differing[p][:MAX_ITEMS]] for p in shown},
+        "differing_parameters": {str(ranks[p]): [by_pos[p][c] for c in differing[p][:MAX_ITEMS]] for p in shown},
         "differing_parameter_count": {str(ranks[p]): len(differing[p]) for p in shown},
-        "fingerprints": {str(ranks[p]): top({names[c]: format_fingerprint(tables[p][c]) for c in differing[p]})
+        "fingerprints": {str(ranks[p]): top({by_pos[p][c]: format_fingerprint(tables[p][c]) for c in differing[p]})
                          for p in shown},
     }
     if reference is not None:
         cols = sorted({c for p in shown for c in differing[p][:MAX_ITEMS]})[:MAX_ITEMS]
         evidence["majority_rank"] = ranks[reference]
-        evidence["majority_fingerprints"] = {names[c]: format_fingerprint(tables[reference][c]) for c in cols}
+        evidence["majority_fingerprints"] = {by_pos[reference][c]: format_fingerprint(tables[reference][c])
+                                             for c in cols}
     return Finding("weights", tuple(ranks[p] for p in suspects), evidence)

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["collective_device", "agree", "sum_counts", "gather_rows", "gather_objects", "group_ranks", "Agreement"]
+__all__ = ["collective_device", "agree", "sum_counts", "gather_rows", "gather_objects", "gather_ragged", "group_ranks",
+           "Agreement"]
 
 
 def collective_device(group: dist.ProcessGroup | None, device: torch.device | None = None) -> torch.device:
@@ -110,6 +111,18 @@ def gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None, device: torc
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out.view(-1), row, group=group)
     return out.tolist()  # type: ignore[no-any-return]
+
+
+def gather_ragged(row: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device | None = None
+                  ) -> list[list[int]]:
+    """``gather_rows`` for rows whose length differs by rank (pipeline stages hold different parameters): one MAX
+    agreement of the lengths, then the rows padded to the longest, each returned at its own length."""
+    wire = collective_device(group, device if device is not None else row.device)
+    high, _ = agree(torch.tensor([row.numel()], dtype=torch.int64, device=wire), group)
+    padded = torch.zeros(high[0] + 1, dtype=torch.int64, device=wire)
+    padded[0] = row.numel()
+    padded[1:1 + row.numel()] = row.to(device=wire, dtype=torch.int64).reshape(-1)
+    return [r[1:1 + r[0]] for r in gather_rows(padded, group, wire)]
 
 
 def gather_objects(obj: object, group: dist.ProcessGroup | None) -> list[object]:

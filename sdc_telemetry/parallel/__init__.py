@@ -3,7 +3,8 @@
 ``layout_for(model, ...)`` picks the adapter; the monitor then asks the layout (``parallel.base.Layout``) and never
 the model's type. Adapters: ``single`` (one process), ``ddp`` (DistributedDataParallel), ``fsdp`` (fully_shard on a
 1-D mesh), ``hsdp`` (fully_shard on a 2-D (replicate, shard) mesh), ``mesh`` (N-D: tensor and context parallelism
-with FSDP2/HSDP on one DeviceMesh).
+with FSDP2/HSDP on one DeviceMesh), ``pipeline`` (one ``torch.distributed.pipelining`` stage per rank, its module
+DDP-wrapped or fully_shard-ed over its data-parallel group).
 """
 
 from __future__ import annotations
@@ -20,12 +21,24 @@ __all__ = ["layout_for", "Layout", "LayoutError", "GradSink"]
 
 
 def layout_for(model: torch.nn.Module, *, replica_group: dist.ProcessGroup | None = None,
-               comm_hook: Any = None, comm_state: Any = None, mesh: Any = None) -> Layout:
+               comm_hook: Any = None, comm_state: Any = None, mesh: Any = None, pipeline: Any = None) -> Layout:
     """The adapter for ``model``, or a clear error naming what is not supported and how to fix it."""
     initialised = dist.is_available() and dist.is_initialized()
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (DistributedDataParallel-wrapped across ranks), got "
                         f"{type(model).__name__}")
+    if pipeline is not None:
+        if not initialised:
+            raise RuntimeError("SDCMonitor(pipeline=...) needs the initialised process group of the pipeline")
+        if replica_group is not None:
+            raise ValueError("replica_group= is for DDP models; a pipeline stage's groups come from its schedule")
+        from sdc_telemetry.parallel.pipeline import PipelineStageLayout
+
+        layout = PipelineStageLayout(pipeline, mesh=mesh, comm_hook=comm_hook, comm_state=comm_state)
+        if model is not layout.model and model is not layout.module:
+            raise ValueError("with pipeline=schedule, model must be the schedule's stage module (the module of its "
+                             f"PipelineStage: {type(layout.model).__name__}), got {type(model).__name__}")
+        return layout
     from sdc_telemetry.parallel import fsdp
     from sdc_telemetry.parallel import mesh as nd
 

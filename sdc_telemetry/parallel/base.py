@@ -65,6 +65,8 @@ class Layout:
     reduces = False
     #: the replay's recomputation runs collectives: every rank recomputes at once
     lockstep = False
+    #: a pipeline stage: the step runs ``schedule.step`` (``pipeline_step``) and the replay reruns the schedule
+    pipelined = False
 
     def __init__(self, model: torch.nn.Module, module: torch.nn.Module, group: dist.ProcessGroup | None,
                  ranks: Sequence[int], rank: int) -> None:

@@ -23,7 +23,7 @@ import torch
 from sdc_telemetry.core.collective import gather_rows
 from sdc_telemetry.parallel.base import LayoutError
 
-__all__ = ["DIMS", "Coordinates", "check_dims"]
+__all__ = ["DIMS", "ALIASES", "Coordinates", "canonical", "check_dims"]
 
 #: the dimension names understood, outermost first (torchtitan's order)
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -31,11 +31,22 @@ _REPLICA = ("dp_replicate", "dp_shard")
 _SHARD = ("pp", "dp_shard", "cp", "tp")
 _WHY = {"ep": "expert parallelism (experts sharded over ranks: tokens move between replicas' ranks)",
         "etp": "expert tensor parallelism", "dp": "a plain 'dp' dimension: name it dp_replicate or dp_shard",
-        "fsdp": "name the FSDP dimension dp_shard"}
+        "world": "a flat 'world' mesh the others were unflattened from: pass mesh= the mesh with named dims "
+                 "(torchtitan: the dense mesh of its ParallelDims)"}
+
+
+#: other names for a dimension: torchtitan's ``fsdp`` dim (its dp_shard, with cp folded in) is read as dp_shard
+ALIASES = {"fsdp": "dp_shard"}
+
+
+def canonical(names: Sequence[str]) -> tuple[str, ...]:
+    """The dimension names with aliases resolved (``fsdp`` -> ``dp_shard``)."""
+    return tuple(ALIASES.get(n, n) for n in names)
 
 
 def check_dims(names: Sequence[str] | None) -> None:
     """Refuse, by name, mesh dimensions this monitor does not cover."""
+    names = canonical(names or ())
     if not names:
         raise LayoutError("the device mesh has no dimension names: name its dimensions with torchtitan's names "
                           f"{', '.join(DIMS)} (init_device_mesh(..., mesh_dim_names=...))")
@@ -62,6 +73,8 @@ class Coordinates:
     def gather(cls, sizes: Mapping[str, int], mine: Mapping[str, int], device: torch.device) -> Coordinates:
         """Collective on the default group (set-up, once): every rank's coordinate."""
         check_dims(list(sizes))
+        sizes = {ALIASES.get(d, d): v for d, v in sizes.items()}
+        mine = {ALIASES.get(d, d): v for d, v in mine.items()}
         full = {d: int(sizes.get(d, 1)) for d in DIMS}
         row = torch.tensor([int(mine.get(d, 0)) for d in DIMS], dtype=torch.int64)
         rows = gather_rows(row, None, device)

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from sdc_telemetry.parallel.base import LayoutError, world_ranks
-from sdc_telemetry.parallel.coordinates import DIMS, Coordinates, check_dims
+from sdc_telemetry.parallel.coordinates import DIMS, Coordinates, canonical, check_dims
 from sdc_telemetry.parallel.fsdp import FSDP, FSDPLayout, fsdp_groups
 
 __all__ = ["MeshLayout", "is_nd", "world_mesh"]
@@ -55,7 +55,15 @@ def world_mesh(model: torch.nn.Module) -> Any:
     if len(roots) != 1:
         raise LayoutError(f"the parameters live on {len(roots)} different root device meshes: build every "
                           "parallelism from one world mesh (init_device_mesh) and slice it")
-    return next(iter(roots.values()))
+    root = next(iter(roots.values()))
+    if set(canonical(root.mesh_dim_names or ())) <= set(DIMS):
+        return root
+    # The root is a flat mesh the named one was unflattened from (torchtitan's "world"): the parameters' own mesh
+    # with the most dimensions, when it spans every rank, is the named mesh.
+    meshes = sorted({id(p.device_mesh): p.device_mesh for p in params}.values(), key=lambda m: -m.ndim)
+    if meshes[0].size() == dist.get_world_size() and set(canonical(meshes[0].mesh_dim_names or ())) <= set(DIMS):
+        return meshes[0]
+    return root
 
 
 def is_nd(model: torch.nn.Module, mesh: Any) -> bool:
@@ -66,10 +74,10 @@ def is_nd(model: torch.nn.Module, mesh: Any) -> bool:
     params = _dtensor_params(model)
     if not params:
         return False
-    meshes = {id(p.device_mesh) for p in params}
+    meshes = {id(p.device_mesh): p.device_mesh for p in params}
     root = params[0].device_mesh._get_root_mesh()
-    names = root.mesh_dim_names or ()
-    return len(meshes) > 1 or root.ndim > 2 or bool({"tp", "cp", "pp"} & set(names))
+    names = set(root.mesh_dim_names or ()).union(*(m.mesh_dim_names or () for m in meshes.values()))
+    return len(meshes) > 1 or root.ndim > 2 or bool({"tp", "cp", "pp"} & names)
 
 
 class MeshLayout(FSDP):
@@ -84,10 +92,10 @@ class MeshLayout(FSDP):
         super(FSDP, self).__init__(model, model, None, ranks, rank)  # collectives on the default group
         if mesh is not None and not isinstance(mesh, DeviceMesh):
             raise TypeError(f"mesh= must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
-        root = mesh._get_root_mesh() if mesh is not None else world_mesh(model)
+        root = mesh if mesh is not None else world_mesh(model)
         names = tuple(root.mesh_dim_names or ())
         check_dims(names)
-        sizes = {n: root.size(i) for i, n in enumerate(names)}
+        sizes = {n: root.size(i) for i, n in enumerate(canonical(names))}
         if sizes.get("pp", 1) > 1 and not pipeline:
             raise LayoutError("the mesh has a pipeline dimension 'pp': this module is one pipeline stage; pass the "
                               "schedule: SDCMonitor(stage_module, optimizer, pipeline=schedule, ...)")
@@ -95,7 +103,7 @@ class MeshLayout(FSDP):
             raise LayoutError(f"the device mesh covers {root.size()} of {dist.get_world_size()} ranks: pass the world "
                               "mesh (every rank), not a slice of it")
         for p in _dtensor_params(model):
-            if p.device_mesh._get_root_mesh() != root:
+            if p.device_mesh._get_root_mesh() != root._get_root_mesh():
                 raise LayoutError("a parameter lives on a device mesh outside the given mesh: pass the world mesh "
                                   "the model was parallelised on")
         from sdc_telemetry.parallel.fsdp import _fsdp_module_type
@@ -133,7 +141,7 @@ class MeshLayout(FSDP):
         coordinate = root.get_coordinate()
         assert coordinate is not None
         device = next(model.parameters()).device
-        self.coordinates = Coordinates.gather(sizes, dict(zip(names, coordinate, strict=True)), device)
+        self.coordinates = Coordinates.gather(sizes, dict(zip(canonical(names), coordinate, strict=True)), device)
         self.shard_of = list(self.coordinates.key_of)
         self.world_mesh = root
         self.name = " x ".join(d for d in DIMS if sizes.get(d, 1) > 1) or "nd"
@@ -160,12 +168,15 @@ class MeshLayout(FSDP):
     def digest_slot(self) -> int:
         return int(self.coordinates.key_of[self.position])
 
-    def recompute(self, params: Sequence[torch.nn.Parameter], run_backward: Callable[[], None]
-                  ) -> list[torch.Tensor | None] | None:
-        grads = super().recompute(params, run_backward)
-        assert grads is not None
-        return [g.to_local() if g is not None and hasattr(g, "to_local") else g  # type: ignore[operator]
-                for g in grads]
+    def recompute(self, params: Sequence[torch.nn.Parameter], run_backward: Callable[[], None],
+                  take: Callable[[int, torch.Tensor, float | None], None]) -> None:
+        """As FSDP2 does, with each unsharded gradient read as this rank's tensor-parallel shard (what its
+        reduce-scatter input held), not as a DTensor."""
+        def local(i: int, grad: torch.Tensor, divide: float | None) -> None:
+            to_local = getattr(grad, "to_local", None)
+            take(i, to_local() if to_local is not None else grad, divide)
+
+        super().recompute(params, run_backward, local)
 
     def describe(self) -> str:
         return f"{self.name} over {self.world} ranks ({self.coordinates.describe()})"

@@ -51,6 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 from sdc_telemetry.core.collective import gather_rows, group_ranks
 from sdc_telemetry.core.fingerprint import fingerprint
 from sdc_telemetry.parallel.base import GradSink, Layout, LayoutError, world_ranks
+from sdc_telemetry.parallel.coordinates import Coordinates
 
 __all__ = ["PipelineStageLayout", "StageCoordinate", "RerunResult", "stage_of", "stage_module", "coordinate",
            "pipeline_step", "rerun", "rng_state", "SUPPORTED_SCHEDULES"]
@@ -103,6 +104,12 @@ def stage_module(submod: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     if isinstance(submod, DistributedDataParallel):
         return submod.module, "ddp"
     if fsdp.is_fully_sharded(submod):
+        from sdc_telemetry.parallel.mesh import is_nd
+
+        if is_nd(submod, None):
+            raise LayoutError("tensor or context parallelism inside a pipeline stage (a stage module with DTensor "
+                              "tensor-parallel parameters) is not covered: the pipeline adapter handles stage modules "
+                              "that are DDP-wrapped or fully_shard-ed over their data-parallel group only")
         return submod, "fsdp"
     return submod, "plain"
 
@@ -369,6 +376,7 @@ class PipelineStageLayout(Layout):
     name = "pipeline"
     distributed = True
     lockstep = True
+    pipelined = True
 
     def __init__(self, schedule: Any, *, dp_group: dist.ProcessGroup | None = None, mesh: Any = None,
                  comm_hook: Any = None, comm_state: Any = None) -> None:
@@ -419,6 +427,16 @@ class PipelineStageLayout(Layout):
         self.shard_of = [r[2] for r in rows]
         self.stage_of_position = [r[0] for r in rows]
         self.dp_of_position = [r[1] for r in rows]
+        # The mesh coordinates of every position (evidence, and the replay's pairing of replicas stage by stage).
+        sizes = {"pp": c.stages}
+        if self.kind == "fsdp":
+            sizes["dp_shard"] = self._fsdp.shard_size
+            if self._fsdp.replicas > 1:
+                sizes["dp_replicate"] = self._fsdp.replicas
+        elif c.replicas > 1:
+            sizes["dp_replicate"] = c.replicas
+        mine = {d: v for d, v in c.as_dict().items() if d in sizes}
+        self.coordinates = Coordinates.gather(sizes, mine, device)
 
     # -- who holds what ------------------------------------------------------------------------------------------
 

@@ -1,0 +1,99 @@
+"""Rank side of the pipeline tests: SDCMonitor on a two-stage pipeline (torch.distributed.pipelining) with
+data-parallel replicas, the stage modules DDP-wrapped over their data-parallel group or fully_shard-ed over it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.nn.parallel import DistributedDataParallel
+
+import sdc_telemetry as sdc
+from sdc_telemetry.faults import FaultInjector
+
+from ._scale import _count_monitor_bytes
+from ._scenarios import Recorder
+
+CPU = torch.device("cpu")
+MICRO = 4
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out, target)
+
+
+def build(stage: int) -> nn.Module:
+    """Stage 0: Linear, ReLU, Dropout (the rerun must use the origin's RNG); stage 1: Linear, ReLU, Linear."""
+    torch.manual_seed(0)
+    if stage == 0:
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1))
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def run_one(rank: int, replicas: int, sc: dict[str, Any]) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (replicas, 2), mesh_dim_names=("dp_replicate", "pp"))
+    dp, pp = rank // 2, rank % 2
+    module = build(pp)
+    if sc.get("kind", "ddp") == "ddp":
+        # find_unused_parameters=True: torch 2.13's ScheduleGPipe trips DDP's bucket rebuild without it
+        wrapped: nn.Module = DistributedDataParallel(module, process_group=mesh.get_group("dp_replicate"),
+                                                     find_unused_parameters=True)
+        schedule_cls: Any = ScheduleGPipe
+    else:
+        fully_shard(module, mesh=mesh["dp_replicate"])
+        wrapped, schedule_cls = module, Schedule1F1B
+    stage = PipelineStage(wrapped, pp, 2, CPU, group=mesh.get_group("pp"))
+    schedule = schedule_cls(stage, MICRO, loss_fn=loss_fn)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    faults = FaultInjector(module, opt)
+    for kind, args in sc.get("faults", {}).items():
+        if args["rank"] == rank:  # the stage modules differ: only the target rank's names the parameter
+            getattr(faults, kind)(**args)
+    recorder = Recorder()
+    monitor = None
+    if sc.get("monitor", True):
+        monitor = sdc.SDCMonitor(wrapped, opt, pipeline=schedule, mesh=mesh, observer=recorder,
+                                 config=sdc.SDCConfig(metrics_port=None, nvml=False, **sc.get("config", {})))
+    torch.manual_seed(7 + rank)  # dropout draws differ per rank: the replay must take the origin's RNG state
+    tally: dict[str, int] = {}
+    steps = sc.get("steps", 4)
+    losses: list[list[float] | None] = []
+    for k in range(steps):
+        gen = torch.Generator().manual_seed(1000 * dp + k)
+        x, y = torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+        if sc.get("count_bytes") and k == 1:
+            _count_monitor_bytes(tally)
+        if monitor is not None:
+            with monitor.step((x, y)) as st:
+                out = st.pipeline_step(x, target=y)
+        else:
+            out = [] if stage.is_last else None
+            schedule.step(*((x,) if stage.is_first else ()), **({"target": y, "losses": out} if stage.is_last
+                                                                  else {}))
+        losses.append([float(t) for t in out] if out is not None else None)
+        opt.step()
+        opt.zero_grad()
+    if monitor is not None:
+        monitor.close()
+    faults.close()
+    local = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+             for n, p in module.named_parameters()}
+    return {"incidents": [(i.step, i.check, list(i.suspect_ranks), i.evidence.get("verdict"),
+                           i.evidence.get("coordinate"), bool(i.evidence.get("ambiguous")))
+                          for i in (monitor.incidents if monitor else [])],
+            "layout": monitor.layout.describe() if monitor else None,
+            "counts": recorder.counts(), "errors": recorder.errors, "losses": losses, "weights": local,
+            "bytes": {k: v // max(steps - 1, 1) for k, v in tally.items()}}
+
+
+def run_pp(rank: int, world: int, scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for sc in scenarios:
+        out.append(run_one(rank, world // 2, sc))
+        dist.barrier()
+    return out
