@@ -1,14 +1,20 @@
 """N-D parallelism: step-time overhead and audit cost on TP x DP (and PP x DP), and a detection campaign on TP x DP.
 
-    python benchmarks/nd.py                       # HSDP x TP (2x2x2, 8 gloo ranks), a small GPT, interleaved rounds
-    python benchmarks/nd.py --quick               # tiny model, two short rounds (the smoke test)
+    python benchmarks/nd.py                       # HSDP x TP (2x2x2, 8 gloo ranks), then PP x DP (2x2, 4 ranks)
+    python benchmarks/nd.py --layout pp_dp        # one layout: hsdp_tp, fsdp_tp (dp_shard 2 x tp 2) or pp_dp
+    python benchmarks/nd.py --quick               # tiny model, two short rounds of both layouts (the smoke test)
     python benchmarks/nd.py --campaign            # fault campaign on HSDP x TP (8 gloo ranks)
     python benchmarks/nd.py --campaign --quick    # one trial of each fault class (the smoke test)
 
 Model: a small GPT whose attention (separate q, k, v projections: column parallel; output projection: row
 parallel) and MLP (up: column parallel, down: row parallel) are split over ``mesh["tp"]`` with
 ``parallelize_module``, then every block and the root are ``fully_shard``-ed over the data-parallel dims
-(torchtitan's order and dim names). Embeddings, norms and the head stay replicated over tp.
+(torchtitan's order and dim names). Embeddings, norms and the head stay replicated over tp. PP x DP: the same GPT
+(without tensor parallelism) cut into two pipeline stages (embeddings and the first half of the blocks; the rest,
+the final norm and the head) on a ``(dp_replicate 2, pp 2)`` mesh, each stage module DDP-wrapped over its
+data-parallel group (``find_unused_parameters=True``, which torch 2.13's schedules need), a ``ScheduleGPipe`` of
+4 micro-batches, and ``SDCMonitor(stage, optimizer, pipeline=schedule, mesh=mesh)`` with
+``step.pipeline_step(x, target=y)``; the baseline calls ``schedule.step`` itself.
 
 Overhead: configurations, each its own copy of the same model (same seed, own optimizer; the monitor wraps a
 model's reduce-scatter, so copies cannot be shared): unmonitored (the baseline); gradient checks + weights every
@@ -59,15 +65,18 @@ import sdc_telemetry as sdc
 from sdc_telemetry.faults import FaultInjector, flip_bit
 from sdc_telemetry.testing import spawn_ranks
 
-MODEL = {"vocab": 2048, "dim": 192, "layers": 3, "heads": 4, "seq": 32}
-QUICK_MODEL = {"vocab": 128, "dim": 32, "layers": 1, "heads": 2, "seq": 8}
+MODEL = {"vocab": 2048, "dim": 192, "layers": 4, "heads": 4, "seq": 32}
+QUICK_MODEL = {"vocab": 128, "dim": 32, "layers": 2, "heads": 2, "seq": 8}
 CAMPAIGN_MODEL = {"vocab": 64, "dim": 32, "layers": 2, "heads": 2, "seq": 8}
 LAYOUTS: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
     "hsdp_tp": ((2, 2, 2), ("dp_replicate", "dp_shard", "tp")),
     "fsdp_tp": ((2, 2), ("dp_shard", "tp")),
+    "pp_dp": ((2, 2), ("dp_replicate", "pp")),
 }
 TITLES = {"hsdp_tp": "HSDP x TP (dp_replicate 2 x dp_shard 2 x tp 2, 8 gloo ranks)",
-          "fsdp_tp": "FSDP x TP (dp_shard 2 x tp 2, 4 gloo ranks)"}
+          "fsdp_tp": "FSDP x TP (dp_shard 2 x tp 2, 4 gloo ranks)",
+          "pp_dp": "PP x DP (2 stages x 2 DDP replicas, ScheduleGPipe, 4 gloo ranks)"}
+MICRO = 4  # pipeline micro-batches per step
 REPLAY_EVERY = 10
 QUICK_REPLAY_EVERY = 4
 
@@ -163,6 +172,57 @@ def dp_index(mesh: Any) -> int:
     return int(coord.get("dp_replicate", 0) * shard + coord.get("dp_shard", 0))
 
 
+class Stage(nn.Module):
+    """One pipeline stage of the same GPT: stage 0 the embeddings and the first half of the blocks, the last stage
+    the other blocks, the final LayerNorm and the head."""
+
+    def __init__(self, spec: dict[str, int], stage: int, stages: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        full = TPGPT(**spec, dropout=dropout)
+        per = -(-spec["layers"] // stages)
+        self.first, self.last = stage == 0, stage == stages - 1
+        self.tok: nn.Module | None = full.tok if self.first else None
+        self.pos: nn.Module | None = full.pos if self.first else None
+        self.drop: nn.Module | None = full.drop if self.first else None
+        self.blocks = nn.ModuleList(list(full.blocks)[stage * per:(stage + 1) * per])
+        self.ln: nn.Module | None = full.ln if self.last else None
+        self.head: nn.Module | None = full.head if self.last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok is not None and self.pos is not None and self.drop is not None:
+            x = self.drop(self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device)))
+        for block in self.blocks:
+            x = block(x)
+        if self.ln is not None and self.head is not None:
+            x = self.head(self.ln(x))
+        return x  # type: ignore[no-any-return]
+
+
+def pp_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The schedule's ``loss_fn(output, target)``: next-token cross-entropy of one micro-batch."""
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def build_pp(spec: dict[str, int], mesh: Any, seed: int = 0) -> tuple[nn.Module, nn.Module, Any, bool, bool]:
+    """This rank's stage module (same seed on every rank: replicas start equal), DDP-wrapped over its
+    data-parallel group, and a ScheduleGPipe over ``mesh["pp"]``. Returns (module, wrapped, schedule, first,
+    last)."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.nn.parallel import DistributedDataParallel
+
+    coord = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate(), strict=True))
+    stages = mesh["pp"].size()
+    if spec["layers"] < stages:
+        raise ValueError(f"layers={spec['layers']} must be >= the {stages} pipeline stages")
+    torch.manual_seed(seed)
+    module = Stage(spec, coord["pp"], stages)
+    # find_unused_parameters=True: torch 2.13's pipeline schedules trip DDP's bucket rebuild at the second step
+    wrapped = DistributedDataParallel(module, process_group=mesh.get_group("dp_replicate"),
+                                      find_unused_parameters=True)
+    stage = PipelineStage(wrapped, coord["pp"], stages, torch.device("cpu"), group=mesh.get_group("pp"))
+    return module, wrapped, ScheduleGPipe(stage, MICRO, loss_fn=pp_loss), stage.is_first, stage.is_last
+
+
 # -- overhead -------------------------------------------------------------------------------------------------------
 
 
@@ -184,17 +244,32 @@ class _Tally(sdc.Observer):
 
 class _Copy:
     def __init__(self, spec: dict[str, Any], fields: dict[str, Any] | None, mesh: Any) -> None:
+        self.tally = _Tally()
+        config = sdc.SDCConfig(metrics_port=None, nvml=False, **(fields or {}))
+        self.schedule: Any = None
+        if spec["layout"] == "pp_dp":
+            self.model, wrapped, self.schedule, self.first, self.last = build_pp(spec["model"], mesh)
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+            self.monitor = None if fields is None else sdc.SDCMonitor(
+                wrapped, self.opt, pipeline=self.schedule, mesh=mesh, observer=self.tally, config=config)
+            return
         self.model = build_tp(spec["model"], mesh)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.tally = _Tally()
         self.monitor = None if fields is None else sdc.SDCMonitor(
-            self.model, self.opt, loss_fn=lm_loss, observer=self.tally,
-            config=sdc.SDCConfig(metrics_port=None, nvml=False, **fields))
+            self.model, self.opt, loss_fn=lm_loss, observer=self.tally, config=config)
 
     def train(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, bool]:
         self.tally.replayed = False
         start = time.perf_counter()
-        if self.monitor is not None:
+        x, y = batch
+        if self.schedule is not None and self.monitor is not None:
+            with self.monitor.step(batch) as st:
+                st.pipeline_step(x, target=y)
+        elif self.schedule is not None:
+            losses: list[torch.Tensor] = []
+            self.schedule.step(*((x,) if self.first else ()),
+                               **({"target": y, "losses": losses} if self.last else {}))
+        elif self.monitor is not None:
             with self.monitor.step(batch) as st:
                 st.backward(lm_loss(self.model, batch))
         else:
@@ -210,7 +285,8 @@ def _overhead_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     copies = [_Copy(spec, fields, mesh) for _, fields in configs(spec["replay_every"])]
     m = spec["model"]
-    it = iter(token_batches(spec["steps"], spec["batch"], m["seq"], m["vocab"], seed=100 + dp_index(mesh)))
+    replica = dp_index(mesh) if spec["layout"] != "pp_dp" else int(mesh["dp_replicate"].get_local_rank())
+    it = iter(token_batches(spec["steps"], spec["batch"], m["seq"], m["vocab"], seed=100 + replica))
     for c in copies:
         for _ in range(spec["warmup"]):
             c.train(next(it))
@@ -233,7 +309,7 @@ def _overhead_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any
             c.monitor.close()
     return {"rounds": rounds, "results": [c.tally.results for c in copies], "incidents": incidents,
             "errors": [e for c in copies for e in c.tally.errors], "layout": layout,
-            "params_per_rank": sum(_local(p).numel() for p in copies[0].model.parameters()),
+            "params_per_rank": sum(_local(p).numel() for p in copies[0].model.parameters()),  # this stage's
             "params": param_count(TPGPT(**m))}
 
 
@@ -243,7 +319,7 @@ def summarise(per_rank: list[dict[str, Any]], n_configs: int) -> dict[str, Any]:
     rounds = len(per_rank[0]["rounds"])
     steps: list[list[list[tuple[float, bool]]]] = []  # [round][config] -> (slowest time, audited) per step
     for k in range(rounds):
-        steps.append([[(max(r["rounds"][k][i][j][0] for r in per_rank), per_rank[0]["rounds"][k][i][j][1])
+        steps.append([[(max(r["rounds"][k][i][j][0] for r in per_rank), any(r["rounds"][k][i][j][1] for r in per_rank))
                        for j in range(len(per_rank[0]["rounds"][k][i]))] for i in range(n_configs)])
     out = []
     for i in range(n_configs):
@@ -292,7 +368,8 @@ def run_overhead(layout: str = "hsdp_tp", model: dict[str, int] | None = None, r
         summary[label] = {**c, "results": res}
     say(table(["configuration", "step ms (slowest rank)", "ratio (median)", "IQR", "audit cost, steps (IQR)",
                "check results on rank 0"], rows,
-              title=f"{TITLES[layout]}, TP GPT {model}, {rounds} rounds of {segment}-step segments"))
+              title=f"{TITLES[layout]}, {'GPT' if layout == 'pp_dp' else 'TP GPT'} {model}, "
+                    f"{rounds} rounds of {segment}-step segments"))
     errors = sorted({e for r in per_rank for e in r["errors"]})
     incidents = sorted({e for r in per_rank for e in r["incidents"]})
     if errors or incidents:
@@ -601,7 +678,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model, short rounds / one trial per class (smoke test)")
     p.add_argument("--campaign", action="store_true", help="the fault campaign on HSDP x TP instead of the overhead")
-    p.add_argument("--layout", choices=sorted(LAYOUTS), default="hsdp_tp", help="the TP x DP layout timed")
+    p.add_argument("--layout", choices=["all", *sorted(LAYOUTS)], default="all",
+                   help="the layout timed (all: hsdp_tp, then pp_dp)")
     p.add_argument("--trials", type=int, default=6, help="campaign trials per fault class")
     p.add_argument("--seed", type=int, default=0, help="campaign seed")
     p.add_argument("--spawns", type=int, default=2, help="campaign: process spawns the trials are grouped into")
@@ -615,14 +693,17 @@ def main(argv: Sequence[str] | None = None) -> None:
              else run_campaign(args.trials, seed=args.seed, spawns=args.spawns))
         print(f"wrote {write_json('nd_campaign', c, args.out_dir)}")
         return
-    if args.quick:
-        tp = run_overhead(args.layout, QUICK_MODEL, rounds=2, segment=QUICK_REPLAY_EVERY, warmup=1, batch=2,
-                          replay_every=QUICK_REPLAY_EVERY)
-    else:
-        tp = run_overhead(args.layout, rounds=args.rounds, segment=args.segment)
-    payload = {"layouts": {args.layout: tp}, "wall_s": time.perf_counter() - t0}
+    layouts = ["hsdp_tp", "pp_dp"] if args.layout == "all" else [args.layout]
+    results = {}
+    for layout in layouts:
+        batch = 8 if layout == "pp_dp" else 4  # MICRO micro-batches per pipeline step
+        if args.quick:
+            results[layout] = run_overhead(layout, QUICK_MODEL, rounds=2, segment=QUICK_REPLAY_EVERY, warmup=1,
+                                           batch=batch, replay_every=QUICK_REPLAY_EVERY)
+        else:
+            results[layout] = run_overhead(layout, rounds=args.rounds, segment=args.segment, batch=batch)
+    payload = {"layouts": results, "wall_s": time.perf_counter() - t0}
     print(f"wrote {write_json('nd', payload, args.out_dir)}")
-
 
 if __name__ == "__main__":
     main()

@@ -38,28 +38,34 @@ def _run(tmp_path: Path, *args: str, name: str) -> tuple[dict[str, Any], str]:
     return data, proc.stdout
 
 
+LAYOUTS = {"hsdp_tp": ("HSDP x TP", "dp_replicate x dp_shard x tp"), "pp_dp": ("PP x DP", "pipeline stage")}
+
+
 def test_nd_quick_reports_ratios_audit_cost_and_counted_checks(tmp_path: Path) -> None:
-    """nd.py --quick: HSDP x TP on 8 ranks, each configuration's step-time ratio against the unmonitored model
-    (positive, the baseline exactly 1), an audit cost for the replaying one, every monitored check passed."""
+    """nd.py --quick: HSDP x TP on 8 ranks and PP x DP on 4, each configuration's step-time ratio against the same
+    model unmonitored (positive, the baseline exactly 1), an audit cost for the replaying one, every monitored check
+    passed on every step."""
     data, out = _run(tmp_path, "--quick", name="nd")
-    assert "HSDP x TP" in out
-    tp = data["layouts"]["hsdp_tp"]
-    assert tp["monitor_layout"].startswith("dp_replicate x dp_shard x tp")
-    assert tp["errors"] == [] and tp["incidents"] == []
-    summary = tp["summary"]
-    assert summary["no monitor"]["ratio"] == 1.0 and summary["no monitor"]["results"] == {}
-    replay_label = next(k for k in summary if "replay/" in k)
-    for label, row in summary.items():
-        assert row["ratio"] > 0 and row["step_ms"] > 0 and row["iqr"][0] <= row["iqr"][1], label
-        if label == "no monitor":
-            continue
-        steps = tp["rounds"] * tp["segment"]
-        res = row["results"]
-        assert res["grad_local:pass"] == res["grad_reduced:pass"] == res["weights:pass"] == steps, (label, res)
-        assert all(k.endswith(":pass") for k in res), res
-    audited = summary[replay_label]
-    assert audited["results"]["replay:pass"] == audited["audits"] == tp["rounds"]
-    assert audited["audit_cost_steps"] is not None and audited["audit_cost_steps"] > -1
+    assert set(data["layouts"]) == set(LAYOUTS)
+    for layout, (title, described) in LAYOUTS.items():
+        assert title in out
+        run = data["layouts"][layout]
+        assert described in run["monitor_layout"], run["monitor_layout"]
+        assert run["errors"] == [] and run["incidents"] == [], layout
+        summary = run["summary"]
+        assert summary["no monitor"]["ratio"] == 1.0 and summary["no monitor"]["results"] == {}
+        replay_label = next(k for k in summary if "replay/" in k)
+        steps = run["rounds"] * run["segment"]
+        for label, row in summary.items():
+            assert row["ratio"] > 0 and row["step_ms"] > 0 and row["iqr"][0] <= row["iqr"][1], (layout, label)
+            if label == "no monitor":
+                continue
+            res = row["results"]
+            assert res["grad_local:pass"] == res["grad_reduced:pass"] == res["weights:pass"] == steps, (layout, res)
+            assert all(k.endswith(":pass") for k in res), (layout, res)
+        audited = summary[replay_label]
+        assert audited["results"]["replay:pass"] == audited["audits"] == run["rounds"], (layout, audited)
+        assert audited["audit_cost_steps"] is not None and audited["audit_cost_steps"] > -1
 
 
 def test_nd_campaign_quick_detects_and_names_with_coordinates(tmp_path: Path) -> None:
