@@ -2,6 +2,7 @@
 
     python benchmarks/nd.py                       # HSDP x TP (2x2x2, 8 gloo ranks), then PP x DP (2x2, 4 ranks)
     python benchmarks/nd.py --layout pp_dp        # one layout: hsdp_tp, fsdp_tp (dp_shard 2 x tp 2) or pp_dp
+                                                  # (fsdp_tp has no weight replicas: no weight check runs)
     python benchmarks/nd.py --quick               # tiny model, two short rounds of both layouts (the smoke test)
     python benchmarks/nd.py --campaign            # fault campaign on HSDP x TP (8 gloo ranks)
     python benchmarks/nd.py --campaign --quick    # one trial of each fault class (the smoke test)
