@@ -104,9 +104,11 @@ def stage_module(submod: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     if isinstance(submod, DistributedDataParallel):
         return submod.module, "ddp"
     if fsdp.is_fully_sharded(submod):
-        from sdc_telemetry.parallel.mesh import is_nd
+        from torch.distributed.tensor import DTensor
 
-        if is_nd(submod, None):
+        meshes = {id(p.device_mesh): p.device_mesh for p in submod.parameters() if isinstance(p, DTensor)}
+        names = set().union(*(m.mesh_dim_names or () for m in meshes.values()))
+        if len(meshes) > 1 or {"tp", "cp"} & names:
             raise LayoutError("tensor or context parallelism inside a pipeline stage (a stage module with DTensor "
                               "tensor-parallel parameters) is not covered: the pipeline adapter handles stage modules "
                               "that are DDP-wrapped or fully_shard-ed over their data-parallel group only")
