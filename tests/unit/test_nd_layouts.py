@@ -1,0 +1,69 @@
+"""N-D layouts, pure parts: mesh coordinates, replica pairing coordinate by coordinate, attribution on replicas."""
+
+from __future__ import annotations
+
+import pytest
+
+from sdc_telemetry.checks.pairing import Outcome, attribute, plan_replica_pairs
+from sdc_telemetry.parallel.base import LayoutError
+from sdc_telemetry.parallel.coordinates import canonical, check_dims
+
+# 8 ranks of a (dp_replicate 2, dp_shard 2, tp 2) mesh: replica = 2 * dp_replicate + dp_shard, slot = tp
+REPLICA = [0, 0, 1, 1, 2, 2, 3, 3]
+SLOT = [0, 1, 0, 1, 0, 1, 0, 1]
+
+
+def test_replica_pairs_replay_the_same_coordinate_of_a_replica_on_another_host() -> None:
+    """Every position replays the position with its own tp coordinate in the partner replica, which runs on the other
+    host (replicas 0 and 1 on host a, 2 and 3 on host b), and every replica is replayed exactly once per shift."""
+    hosts = ["a"] * 4 + ["b"] * 4
+    pairs = plan_replica_pairs(hosts, REPLICA, SLOT)
+    for shift in pairs.shifts:
+        origins = [pairs.origin(p, shift) for p in range(8)]
+        assert sorted(origins) == list(range(8))
+        for p, o in enumerate(origins):
+            assert SLOT[o] == SLOT[p] and REPLICA[o] != REPLICA[p] and hosts[o] != hosts[p]
+            assert pairs.replayer(o, shift) == p
+    # the ranks of one replica all replay the same partner replica (their collectives line up inside it)
+    assert len({REPLICA[pairs.origin(p, pairs.shifts[0])] for p in (0, 1)}) == 1
+
+
+def test_replica_pairs_refuse_replicas_with_different_coordinates() -> None:
+    """A replica missing a coordinate (or holding one twice) is a mesh that does not describe the job."""
+    with pytest.raises(ValueError, match="same coordinates"):
+        plan_replica_pairs(["a"] * 4, [0, 0, 1, 1], [0, 1, 0, 0])
+
+
+def test_attribution_on_replicas_names_the_faulty_replicas_mismatching_coordinates() -> None:
+    """A compute fault on rank 6 spreads to rank 7 (its tp partner): the pairs (4, 6), (5, 7) [cross round] and
+    (6, 0), (7, 1) [6 and 7 replaying replica 0] mismatch; replica 3 is common to every pair: ranks 6 and 7."""
+    edges = [(4, 6), (5, 7), (6, 0), (7, 1)]
+    outcome = Outcome(8, edges, {p: True for p in range(8)})
+    names, why = attribute(outcome, REPLICA)
+    assert names == (6, 7) and why["fault"] == "persistent" and not why["ambiguous"]
+    # position-level attribution would find no common rank and call it ambiguous
+    assert attribute(outcome)[1]["ambiguous"]
+
+
+def test_attribution_on_replicas_transient_names_the_ranks_that_cannot_reproduce() -> None:
+    """Replica 1's coordinate 1 (rank 3) cannot reproduce its own step; everyone else can: rank 3 alone."""
+    outcome = Outcome(8, [(0, 2), (1, 3)], {p: p != 3 for p in range(8)})
+    names, why = attribute(outcome, REPLICA)
+    assert names == (3,) and why["fault"] == "transient"
+
+
+def test_attribution_on_two_replicas_is_ambiguous() -> None:
+    """Two replicas that disagree and each reproduce themselves: no referee, both replicas' ranks named."""
+    outcome = Outcome(4, [(0, 2), (1, 3), (2, 0), (3, 1)], {p: True for p in range(4)})
+    names, why = attribute(outcome, [0, 0, 1, 1])
+    assert names == (0, 1, 2, 3) and why["ambiguous"]
+
+
+def test_mesh_dims_are_refused_by_name() -> None:
+    """Unknown, unnamed and repeated dims are refused naming the dim; torchtitan's fsdp dim reads as dp_shard."""
+    for names, text in ((("ep", "tp"), "expert parallelism"), (("world",), "flat 'world' mesh"),
+                        ((), "no dimension names"), (("tp", "tp"), "repeat")):
+        with pytest.raises(LayoutError, match=text):
+            check_dims(names)
+    check_dims(("pp", "dp_replicate", "fsdp", "tp"))
+    assert canonical(("fsdp", "tp")) == ("dp_shard", "tp")
