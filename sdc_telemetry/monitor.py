@@ -257,7 +257,10 @@ class SDCMonitor:
     def _whole_fingerprints(self, named: list[tuple[str, torch.nn.Parameter]]) -> list[str]:
         """Each parameter's fingerprint as a whole tensor, streamed: a sharded layout gathers one tensor at a time
         (collective) and drops it once fingerprinted, so at most one unsharded parameter is held; one host copy."""
-        rows = [fingerprint([whole]) for _, whole in self.layout.whole(named)]
+        rows = []
+        for _, whole in self.layout.whole(named):
+            rows.append(fingerprint([whole]))
+            del whole  # dropped before the next one is gathered: one unsharded parameter at a time
         host = torch.cat([r.to(self.device) for r in rows]).cpu().tolist() if rows else []
         return [format_fingerprint(row) for row in host]
 
