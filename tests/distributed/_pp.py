@@ -16,23 +16,13 @@ from torch.nn.parallel import DistributedDataParallel
 import sdc_telemetry as sdc
 from sdc_telemetry.faults import FaultInjector
 
+from ._pipeline import build
+from ._pipeline import loss_fn as loss_fn
 from ._scale import _count_monitor_bytes
 from ._scenarios import Recorder
 
 CPU = torch.device("cpu")
 MICRO = 4
-
-
-def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(out, target)
-
-
-def build(stage: int) -> nn.Module:
-    """Stage 0: Linear, ReLU, Dropout (the rerun must use the origin's RNG); stage 1: Linear, ReLU, Linear."""
-    torch.manual_seed(0)
-    if stage == 0:
-        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1))
-    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
 def run_one(rank: int, replicas: int, sc: dict[str, Any]) -> dict[str, Any]:
