@@ -201,10 +201,12 @@ def recompute_grads(layout: FSDPLayout, params: Sequence[torch.nn.Parameter], ru
     handles = []
     saved = [(pg.reduce_grads, pg.all_reduce_grads) for _, pg in layout.groups]
 
-    def hook_for(i: int, dtype: torch.dtype | None, divide: float | None) -> Callable[[torch.Tensor], None]:
+    def hook_for(i: int, fp: Any, dtype: torch.dtype | None, divide: float | None) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
             grad, p.grad = p.grad, None  # FSDP's post-backward then has nothing to reduce or accumulate
             if grad is not None:
+                if fp.is_dtensor:  # read as FSDP reads it: a tensor-parallel Partial gradient (sequence-parallel
+                    grad = fp._get_grad_inner_tensor(grad)  # norms) redistributed to the parameter's placements
                 grad = grad.to(dtype or grad.dtype)
                 take(i, grad, divide)
             del grad
@@ -220,7 +222,7 @@ def recompute_grads(layout: FSDPLayout, params: Sequence[torch.nn.Parameter], ru
                 i = index.get(id(fp.sharded_param))
                 if i is not None:
                     handles.append(fp.unsharded_param.register_post_accumulate_grad_hook(
-                        hook_for(i, pg._reduce_dtype, divide)))
+                        hook_for(i, fp, pg._reduce_dtype, divide)))
         for module, _ in layout.groups:
             module.set_requires_gradient_sync(False, recurse=False)
         run_backward()
