@@ -188,6 +188,7 @@ class SDCTrainer(Trainer):
             out["checks"] = self.counter.results
             out["incidents"] = [{"step": i.step, "check": i.check, "suspect_ranks": list(i.suspect_ranks),
                                  "coordinate": i.evidence.get("coordinate"),
+                                 "coordinates": i.evidence.get("coordinates"),
                                  "verdict": i.evidence.get("verdict")} for i in m.incidents]
         return out
 
