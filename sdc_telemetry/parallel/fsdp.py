@@ -24,7 +24,8 @@ keeps no reference to it.
 Parts of FSDP2 read here that are not public API (torch 2.13): ``FSDPModule._get_fsdp_state()._fsdp_param_groups``,
 ``FSDPParamGroup.fsdp_params / _reduce_scatter_comm / _reduce_dtype / reduce_grads / all_reduce_grads /
 mesh_info / gradient_divide_factor / force_sum_reduction_for_comms``, ``_get_gradient_divide_factors``,
-``FSDPParam.sharded_param / unsharded_param / padded_sharded_param_size / _orig_size`` and the ``ReduceScatter``
+``FSDPParam.sharded_param / unsharded_param / padded_sharded_param_size / _orig_size / is_dtensor /
+_get_grad_inner_tensor`` and the ``ReduceScatter``
 protocol in ``torch.distributed.fsdp._fully_shard._fsdp_api``.
 """
 
