@@ -23,7 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
 if str(ROOT) not in sys.path:  # run as a script from a checkout without the editable install
-    sys.path.insert(0, str(ROOT))
+    # Appended, not prepended: an sdc_telemetry on PYTHONPATH (an older checkout, for before/after comparisons) or
+    # installed comes first.
+    sys.path.append(str(ROOT))
 
 
 # -- model ----------------------------------------------------------------------------------------------------------

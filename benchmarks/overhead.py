@@ -15,7 +15,9 @@ segments.
 Reported, per configuration, as ratios to the baseline segment of the same round (median and interquartile range over
 rounds): the per-step cost, from each segment's median step (robust to bursts of load from elsewhere on the
 machine); and, for replay, the cost of one audit in baseline steps (audit step minus its segment's median step), so
-that replay every N costs per-step ratio + audit cost / N. The plain mean over all timed steps is reported too.
+that replay every N costs per-step ratio + audit cost / N. The plain mean over all timed steps is reported too, and
+the same ratios of CPU time (the process's, every thread: what the checks compute, much less disturbed than wall
+time when other work shares the machine; a rank waiting for its peer in a collective spends little CPU).
 Targets: gradient checks + weights every step <= 1.04x the baseline; replay every N adds at most 1.1/N of a step (one
 audit costs at most 1.1 baseline steps).
 
@@ -86,8 +88,9 @@ class _Run:
             self.ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         self.step = 0  # steps taken, = the monitor's step index of the next step
 
-    def train(self, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> float:
-        start = time.perf_counter()
+    def train(self, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> tuple[float, float]:
+        """One step: (wall seconds, CPU seconds of this process, every thread: robust to load from elsewhere)."""
+        start, cpu = time.perf_counter(), time.process_time()
         if self.monitor is not None:
             with self.monitor.step(batch) as step:
                 step.backward(lm_loss(self.ddp, batch))
@@ -97,7 +100,7 @@ class _Run:
         self.optimizer.zero_grad(set_to_none=True)
         _sync(device)
         self.step += 1
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
 
 def _rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -128,7 +131,7 @@ def _rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             dist.barrier()
             times = [run.train(batch, device) for batch in
                      batches[run.step:run.step + spec["segment"]]]
-            seg[label] = {"first_step": first, "step_s": times}
+            seg[label] = {"first_step": first, "step_s": [w for w, _ in times], "cpu_s": [c for _, c in times]}
         rounds.append(seg)
     incidents = {label: len(run.monitor.incidents) if run.monitor is not None else 0 for label, run in runs.items()}
     verify_ms = _verify_weights_ms(runs[WEIGHTS], device)
@@ -200,10 +203,10 @@ def library() -> dict[str, str]:
     return {"path": str(where), "commit": commit or "unknown"}
 
 
-def _audits(seg: dict[str, Any], n: int) -> tuple[list[float], list[float]]:
+def _audits(seg: dict[str, Any], n: int, key: str = "step_s") -> tuple[list[float], list[float]]:
     """(audit step times, other step times) of one segment of the replay-every-``n`` configuration."""
     audit, plain = [], []
-    for i, t in enumerate(seg["step_s"]):
+    for i, t in enumerate(seg[key]):
         (audit if (seg["first_step"] + i) % n == 0 else plain).append(t)
     return audit, plain
 
@@ -213,24 +216,31 @@ def summarise(rounds: list[dict[str, Any]], replay_every: Sequence[int]) -> dict
     labels = [label for label, _ in configurations(replay_every)]
     period = {f"{WEIGHTS} + replay/{n}": n for n in replay_every}
     base_med = [median(r[BASELINE]["step_s"]) for r in rounds]
+    base_cpu = [median(r[BASELINE]["cpu_s"]) for r in rounds]
     base_mean = sum(sum(r[BASELINE]["step_s"]) for r in rounds) / sum(len(r[BASELINE]["step_s"]) for r in rounds)
     per_config: dict[str, Any] = {}
     for label in labels:
         n = period.get(label)
-        steady, audit_cost = [], []
-        for r, b in zip(rounds, base_med, strict=True):
+        steady, audit_cost, cpu, cpu_audit = [], [], [], []
+        for r, b, bc in zip(rounds, base_med, base_cpu, strict=True):
             audit, plain = _audits(r[label], n) if n else ([], r[label]["step_s"])
             steady.append(median(plain) / b)
             audit_cost += [(t - median(plain)) / b for t in audit]
+            c_audit, c_plain = _audits(r[label], n, "cpu_s") if n else ([], r[label]["cpu_s"])
+            cpu.append(median(c_plain) / bc)
+            cpu_audit += [(t - median(c_plain)) / bc for t in c_audit]
         q1, q3 = iqr(steady)
         mean = sum(sum(r[label]["step_s"]) for r in rounds) / sum(len(r[label]["step_s"]) for r in rounds)
         c: dict[str, Any] = {"step_ratio_median": median(steady), "step_ratio_q1": q1, "step_ratio_q3": q3,
                              "step_ratios": steady, "mean_ratio": mean / base_mean,
-                             "step_ms_median": 1e3 * median([median(r[label]["step_s"]) for r in rounds])}
+                             "step_ms_median": 1e3 * median([median(r[label]["step_s"]) for r in rounds]),
+                             "cpu_ratio_median": median(cpu), "cpu_ratio_iqr": iqr(cpu),
+                             "cpu_ms_median": 1e3 * median([median(r[label]["cpu_s"]) for r in rounds])}
         if n:
             a_q1, a_q3 = iqr(audit_cost)
             cost = median(audit_cost)
             c.update({"replay_every": n, "audits": len(audit_cost), "audit_cost_steps_median": cost,
+                      "audit_cost_cpu_steps_median": median(cpu_audit),
                       "audit_cost_q1": a_q1, "audit_cost_q3": a_q3, "audit_costs": audit_cost,
                       "ratio": median(steady) + cost / n, "added_per_step": cost / n,
                       "target_added_per_step": TARGET_AUDIT_STEPS / n, "met": cost <= TARGET_AUDIT_STEPS})
@@ -273,9 +283,12 @@ def run(world: int = 2, model: dict[str, int] | None = None, batch: int = 4, seg
         rows.append([label, c["step_ms_median"], c["step_ratio_median"],
                      f"{c['step_ratio_q1']:.3f}-{c['step_ratio_q3']:.3f}",
                      f"{c['audit_cost_steps_median']:.2f} ({c['audits']})" if "audits" in c else "-",
-                     c["ratio"], c["mean_ratio"], incidents[label]])
+                     c["ratio"], c["mean_ratio"], c["cpu_ratio_median"],
+                     f"{c['cpu_ratio_iqr'][0]:.3f}-{c['cpu_ratio_iqr'][1]:.3f}",
+                     f"{c['audit_cost_cpu_steps_median']:.2f}" if "audits" in c else "-", incidents[label]])
     say(table(["configuration", "step ms (median)", "per-step ratio (median)", "per-step IQR",
-               "audit cost, steps (audits)", "ratio incl. audits", "ratio of means", "incidents"], rows,
+               "audit cost, steps (audits)", "ratio incl. audits", "ratio of means", "CPU-time ratio (median)",
+               "CPU-time IQR", "audit cost, CPU steps", "incidents"], rows,
               title="Step-time overhead: " + desc))
     say()
     base_ms = summary["configs"][BASELINE]["step_ms_median"]
