@@ -8,9 +8,9 @@ by about e times the block's norm; one element g_j flipped in sign moves it by 2
 by 2**(b - 23) |g_j|: for blocks of a few thousand elements, 1e-3 to 1e-2 of the block's norm, far above noise.
 
 ``delta(a, b)`` is the largest block's change relative to the block's share of its parameter's norm (and at least
-a small share of the whole gradient's). Computed on audit steps only, one parameter at a time (a temporary the size
-of that parameter), on the gradients' device; the rows are small (2 x BLOCKS + 1 per parameter) and travel with the
-replay record.
+a small share of the whole gradient's). Computed on audit steps only, one parameter at a time and a few blocks at a
+time (float64 temporaries of a quarter of that parameter's fp32 size), on the gradients' device; the rows are small
+(2 x BLOCKS + 1 per parameter) and travel with the replay record.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ BLOCKS = 64        # at most this many blocks per parameter
 MIN_BLOCK = 256    # elements per block at least (small blocks make cancelling gradients look noisy)
 FLOOR = 1e-2       # a block's scale is at least this share of the whole gradient's
 WIDTH = 2 * BLOCKS + 1
+_GROUP = 8         # blocks sketched at a time (bounds the temporaries on an audit)
 _SEED = 0x5DC5EED
 _signs: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -57,19 +58,23 @@ def sketch(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     device = grads[0].device
     out = torch.zeros((len(grads), WIDTH), dtype=torch.float64, device=device)
     for i, g in enumerate(grads):
-        flat = g.detach().reshape(-1).to(torch.float64)
+        flat = g.detach().reshape(-1)  # a view of a contiguous gradient: no copy
         n = flat.numel()
         out[i, -1] = n
         if n == 0:
             continue
         blocks = _blocks(n)
         size = math.ceil(n / blocks)
-        padded = torch.zeros(blocks * size, dtype=torch.float64, device=device)
-        padded[:n] = flat
-        view = padded.view(blocks, size)
-        signs = _rademacher(blocks * size, device).view(blocks, size)
-        out[i, :blocks] = (view * signs).sum(dim=1)
-        out[i, BLOCKS:BLOCKS + blocks] = torch.linalg.vector_norm(view, dim=1)
+        signs = _rademacher(blocks * size, device)
+        # _GROUP blocks at a time: the float64 temporaries are 2 x _GROUP / BLOCKS of the gradient, not 3 copies
+        for start in range(0, blocks, _GROUP):
+            stop = min(blocks, start + _GROUP)
+            lo, hi = start * size, min(stop * size, n)
+            part = torch.zeros((stop - start) * size, dtype=torch.float64, device=device)
+            part[:hi - lo] = flat[lo:hi]
+            view = part.view(stop - start, size)
+            out[i, start:stop] = (view * signs[lo:lo + (stop - start) * size].view(stop - start, size)).sum(dim=1)
+            out[i, BLOCKS + start:BLOCKS + stop] = torch.linalg.vector_norm(view, dim=1)
     return out
 
 

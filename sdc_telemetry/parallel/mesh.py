@@ -51,10 +51,11 @@ def world_mesh(model: torch.nn.Module) -> Any:
     params = _dtensor_params(model)
     if not params:
         raise LayoutError("no DTensor parameters: pass mesh= or apply fully_shard/parallelize_module first")
-    roots = {id(r): r for r in (p.device_mesh._get_root_mesh() for p in params)}
+    roots = {_key(r): r for r in (p.device_mesh._get_root_mesh() for p in params)}
     if len(roots) != 1:
-        raise LayoutError(f"the parameters live on {len(roots)} different root device meshes: build every "
-                          "parallelism from one world mesh (init_device_mesh) and slice it")
+        raise LayoutError(f"the parameters live on {len(roots)} different root device meshes "
+                          f"({', '.join(str(k[2]) for k in roots)}): build every parallelism from one world mesh "
+                          "(init_device_mesh) and slice it, or pass mesh=")
     root = next(iter(roots.values()))
     if set(canonical(root.mesh_dim_names or ())) <= set(DIMS):
         return root
@@ -64,6 +65,11 @@ def world_mesh(model: torch.nn.Module) -> Any:
     if meshes[0].size() == dist.get_world_size() and set(canonical(meshes[0].mesh_dim_names or ())) <= set(DIMS):
         return meshes[0]
     return root
+
+
+def _key(mesh: Any) -> tuple[Any, ...]:
+    """A mesh's identity as ranks and names (FSDP2 rebuilds a parameter's combined mesh as a new object)."""
+    return tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh_dim_names or ())
 
 
 def is_nd(model: torch.nn.Module, mesh: Any) -> bool:
@@ -103,7 +109,7 @@ class MeshLayout(FSDP):
             raise LayoutError(f"the device mesh covers {root.size()} of {dist.get_world_size()} ranks: pass the world "
                               "mesh (every rank), not a slice of it")
         for p in _dtensor_params(model):
-            if p.device_mesh._get_root_mesh() != root._get_root_mesh():
+            if _key(p.device_mesh._get_root_mesh()) != _key(root._get_root_mesh()):
                 raise LayoutError("a parameter lives on a device mesh outside the given mesh: pass the world mesh "
                                   "the model was parallelised on")
         from sdc_telemetry.parallel.fsdp import _fsdp_module_type

@@ -9,7 +9,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 import sdc_telemetry as sdc
 from sdc_telemetry.faults import FaultInjector, flip_bit
@@ -44,16 +52,30 @@ class Model(nn.Module):
 
 def loss_fn(module: nn.Module, batch: Any) -> torch.Tensor:
     x, y = batch
-    return nn.functional.cross_entropy(module(x), y)
+    out = module(x)
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
-def build(shape: tuple[int, ...], names: tuple[str, ...]) -> tuple[nn.Module, Any]:
-    """torchtitan's order: tensor parallelism on mesh['tp'], then fully_shard over the data-parallel dims."""
+def build(shape: tuple[int, ...], names: tuple[str, ...], sequence_parallel: bool = False
+          ) -> tuple[nn.Module, Any]:
+    """torchtitan's order: tensor parallelism on mesh['tp'], then fully_shard over the data-parallel dims.
+    ``sequence_parallel``: the norms run on sequence shards (their weights' gradients are partial sums over tp, as in
+    torchtitan's plan), the blocks' inputs and outputs sharded on the sequence dim."""
     torch.manual_seed(0)
     model = Model()
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    tp = mesh["tp"]
+    if sequence_parallel:
+        parallelize_module(model, tp, {
+            "b1": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                     use_local_output=True),
+            "b2": PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),))})
     for block in (model.b1, model.b2):
-        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        plan: dict[str, Any] = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+        if sequence_parallel:
+            plan = {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+                    "down": RowwiseParallel(output_layouts=Shard(1))}
+        parallelize_module(block, tp, plan)
     dp = mesh[tuple(n for n in names if n.startswith("dp"))]
     for block in (model.b1, model.b2):
         fully_shard(block, mesh=dp)
@@ -69,7 +91,7 @@ def _dp_index(mesh: Any) -> int:
 
 
 def run_one(rank: int, shape: tuple[int, ...], names: tuple[str, ...], sc: dict[str, Any]) -> dict[str, Any]:
-    model, mesh = build(shape, names)
+    model, mesh = build(shape, names, sc.get("sequence_parallel", False))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     faults = FaultInjector(model, opt)
     if sc.get("perturb"):
@@ -85,7 +107,7 @@ def run_one(rank: int, shape: tuple[int, ...], names: tuple[str, ...], sc: dict[
     steps = sc.get("steps", 6)
     losses = []
     for k in range(steps):
-        batch = (torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen))
+        batch = (torch.randn(4, 4, 16, generator=gen), torch.randint(0, 4, (4, 4), generator=gen))
         flip = sc.get("flip")
         if flip and flip["step"] == k and rank == flip["rank"]:  # memory corruption of this rank's local shard
             flip_bit(dict(model.named_parameters())[flip["param"]].to_local(), flip["index"], flip["bit"])

@@ -23,6 +23,8 @@ HSDP_TP_SCENARIOS = {
 SMALL = ((1, 2, 2), ("dp_replicate", "dp_shard", "tp"))
 SMALL_SCENARIOS = {
     "bytes": {"config": {"replay_every": 1000}, "steps": 4, "count_bytes": True},
+    "sequence_parallel": {"config": {"replay_every": 2}, "steps": 4, "shape": (2, 2), "names": ("dp_shard", "tp"),
+                          "sequence_parallel": True},
     "fsdp_tp": {"config": {"replay_every": 2}, "steps": 4, "shape": (2, 2), "names": ("dp_shard", "tp"),
                 "explicit_mesh": True,
                 "perturb": {"rank": 3, "step": 0, "module": "b1.down", "relative": 1e-3, "transient": True}},
@@ -93,3 +95,12 @@ def test_nd_healthy_step_bytes_do_not_grow_with_world_size(hsdp_tp: dict[str, An
     assert big and big == little, (big, little)
     assert all(r["bytes"] == big for r in hsdp_tp["bytes"])
     assert big["calls"] == 1 and set(big) == {"all_reduce", "calls"}
+
+
+def test_sequence_parallel_norms_replay_as_fsdp_reduces_them(small: dict[str, Any]) -> None:
+    """Sequence-parallel norms (torchtitan's plan): their weights' gradients are partial sums over tp that FSDP2 sums
+    before its reduce-scatter; the replay reads its recomputed gradients the same way, so every audit passes (it was
+    an error on every rank when the partial gradient was compared)."""
+    for r in small["sequence_parallel"]:
+        assert r["incidents"] == [] and r["errors"] == []
+        assert r["counts"] == {"grad_local": {"pass": 4}, "grad_reduced": {"pass": 4}, "replay": {"pass": 2}}
