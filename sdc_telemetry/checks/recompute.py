@@ -229,15 +229,7 @@ class Recomputer:
         def take(i: int, grad: torch.Tensor, divide: float | None) -> None:
             stream.piece(i, grad, owned=True, divide=divide)
 
-        def run_backward() -> None:
-            for k, mb in enumerate(micro):
-                loss = self._loss_of(mb)
-                stream.begin(k)
-                scaled(loss, mb.scale, mb.grad_scale).backward()  # type: ignore[no-untyped-call]
-                losses.append(loss.detach().double())
-                del loss
-
-        self.lockstep(self._params, run_backward, take)
+        self.lockstep(self._params, lambda: self._backward_each(micro, stream, losses), take)
         stream.settle(zeros=False)
         if stream.late:  # every rank finished the collectives; the next audits hold these parameters
             raise RuntimeError(f"the gradient of parameter {stream.late[0]} arrived in several pieces within one "
@@ -314,12 +306,7 @@ class Recomputer:
                 if p.requires_grad:
                     handles.append(p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                         lambda q, i=i: stream.accumulated(i, q)))
-            for k, mb in enumerate(micro):
-                loss = self._loss_of(mb)
-                stream.begin(k)
-                scaled(loss, mb.scale, mb.grad_scale).backward()  # type: ignore[no-untyped-call]
-                losses.append(loss.detach().double())
-                del loss
+            self._backward_each(micro, stream, losses)
             for h in handles:
                 h.remove()
             handles.clear()
@@ -332,6 +319,15 @@ class Recomputer:
             for p, g in zip(self._params, saved, strict=True):
                 p.grad = g
         return self._result(losses, stream)
+
+    def _backward_each(self, micro: Sequence[MicroBatch], stream: _Stream, losses: list[torch.Tensor]) -> None:
+        """Forward and backward of each micro-batch in turn, as the step ran them, telling the stream which one."""
+        for k, mb in enumerate(micro):
+            loss = self._loss_of(mb)
+            stream.begin(k)
+            scaled(loss, mb.scale, mb.grad_scale).backward()  # type: ignore[no-untyped-call]
+            losses.append(loss.detach().double())
+            del loss
 
     def _loss_of(self, mb: MicroBatch) -> torch.Tensor:
         """The micro-batch's loss under the origin's RNG and autocast state."""

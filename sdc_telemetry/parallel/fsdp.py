@@ -247,6 +247,12 @@ def _predivide_factor(pg: Any) -> float | None:
     return factor
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's share of a DTensor (a view, never a collective); a plain tensor as it is."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t  # type: ignore[no-any-return]
+
+
 class FSDP(Layout):
     """A fully_shard-ed model; the mesh comes from its DTensor parameters and spans every rank."""
 
@@ -288,9 +294,7 @@ class FSDP(Layout):
         if self._tap is not None:
             self._tap.enabled = False
 
-    def local(self, t: torch.Tensor) -> torch.Tensor:
-        to_local = getattr(t, "to_local", None)
-        return to_local() if to_local is not None else t  # type: ignore[no-any-return]
+    local = staticmethod(local_shard)
 
     def whole(self, named: Sequence[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in named:  # gathered from the shards on every rank (collective), one tensor at a time

@@ -27,7 +27,6 @@ reduce-scattering them, so local gradients cannot be observed), several FSDP par
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -173,16 +172,6 @@ class MeshLayout(FSDP):
     @property
     def digest_slot(self) -> int:
         return int(self.coordinates.key_of[self.position])
-
-    def recompute(self, params: Sequence[torch.nn.Parameter], run_backward: Callable[[], None],
-                  take: Callable[[int, torch.Tensor, float | None], None]) -> None:
-        """As FSDP2 does, with each unsharded gradient read as this rank's tensor-parallel shard (what its
-        reduce-scatter input held), not as a DTensor."""
-        def local(i: int, grad: torch.Tensor, divide: float | None) -> None:
-            to_local = getattr(grad, "to_local", None)
-            take(i, to_local() if to_local is not None else grad, divide)
-
-        super().recompute(params, run_backward, local)
 
     def describe(self) -> str:
         return f"{self.name} over {self.world} ranks ({self.coordinates.describe()})"

@@ -52,6 +52,7 @@ from sdc_telemetry.core.collective import gather_rows, group_ranks
 from sdc_telemetry.core.fingerprint import fingerprint
 from sdc_telemetry.parallel.base import GradSink, Layout, LayoutError, world_ranks
 from sdc_telemetry.parallel.coordinates import Coordinates
+from sdc_telemetry.parallel.fsdp import local_shard
 
 __all__ = ["PipelineStageLayout", "StageCoordinate", "RerunResult", "stage_of", "stage_module", "coordinate",
            "pipeline_step", "rerun", "rng_state", "SUPPORTED_SCHEDULES"]
@@ -501,9 +502,7 @@ class PipelineStageLayout(Layout):
 
     # -- reading tensors in place --------------------------------------------------------------------------------
 
-    def local(self, t: torch.Tensor) -> torch.Tensor:
-        to_local = getattr(t, "to_local", None)
-        return to_local() if to_local is not None else t  # type: ignore[no-any-return]
+    local = staticmethod(local_shard)
 
     def whole(self, named: Sequence[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in named:
