@@ -9,6 +9,7 @@ unsharded parameters that way). Storages that existed before it started count fr
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -180,10 +181,12 @@ def _train(rank: int, model: nn.Module, module: nn.Module, mode: Any, steps: int
             with monitor.step(batch) as st:
                 st.backward(loss_fn(model, batch))
             if certify:
+                gc.collect()  # frees of earlier garbage inside the window would lower the net growth measured
                 base = tracker.mark()
                 monitor.certificate()
                 certificate = {"growth": tracker.peak - base}
                 # The tracker sees gathered tensors: keeping every whole tensor grows by the whole model.
+                gc.collect()
                 base = tracker.mark()
                 held = list(monitor.layout.whole(list(module.named_parameters())))
                 certificate["all_held"] = tracker.peak - base

@@ -60,7 +60,9 @@ def test_certificate_holds_at_most_one_group(measured: list[dict[str, Any]]) -> 
     for case in ("fsdp_exact", "fsdp_nobias"):
         for r in measured:
             cert, groups = r[case]["certificate"], r[case]["groups"]
-            assert cert["all_held"] >= sum(groups)
+            # Net growth: a free of older garbage inside the window (the collector runs when it likes) can take a
+            # few bytes off it (seen once: the 16-byte head bias), so the whole model is asserted within the slack.
+            assert cert["all_held"] >= sum(groups) - SLACK > 4 * (max(groups) + SLACK)
             assert cert["growth"] <= max(groups) + SLACK, (case, cert)
 
 
