@@ -193,6 +193,25 @@ def test_noise_median_from_summed_histograms() -> None:
     assert noise_median([0] * 42) is None
 
 
+def test_calibration_admits_a_deviating_kernel_before_and_after_the_first_cross_rank_audit() -> None:
+    """A rank whose kernels are 1e-5 off measures about 1e-4 against its peers in the sketches (tenfold amplified):
+    the threshold before any cross-rank audit admits it, the first healthy cross-rank audit sets 3 times the largest
+    healthy delta, a rerun floor of zero keeps the 1e-5 floor, and noise cannot raise the threshold above the cap."""
+    from sdc_telemetry.checks.calibration import AUTO_FLOOR, Calibration, histogram as _histogram
+
+    deviant = 1.3e-4  # the largest first-audit delta of a 1e-5-deviating rank measured on the campaign's GPT
+    cal = Calibration()
+    assert cal.tolerance > 3 * deviant
+    assert cal.rerun(_histogram(0.0)) and cal.tolerance > 3 * deviant  # exact reruns say nothing about other ranks
+    assert not cal.across([0] * 42) and cal.tolerance > 3 * deviant    # no rank contributed: unchanged
+    assert cal.across([sum(c) for c in zip(_histogram(deviant), _histogram(1e-5), strict=True)])
+    assert 3 * deviant <= cal.tolerance <= 3 * 10 ** 0.5 * deviant
+    assert cal.tolerance >= AUTO_FLOOR
+    noisy = Calibration()
+    noisy.rerun(_histogram(0.5))
+    assert noisy.tolerance == 0.05
+
+
 def test_large_finite_fp16_gradients_are_not_called_non_finite() -> None:
     """Norms are accumulated in float32: a finite fp16 gradient whose norm exceeds 65504 stays finite."""
     params = [torch.nn.Parameter(torch.zeros(100, dtype=torch.float16))]
