@@ -30,6 +30,7 @@ demo: setup
 bench: setup
 	$(PY) benchmarks/fingerprint.py
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/overhead_parts.py
 	$(PY) benchmarks/audit.py
 	$(PY) benchmarks/scale.py
 	$(PY) benchmarks/hsdp.py

@@ -56,6 +56,26 @@ def test_fingerprint_quick_writes_bandwidth_table(bench, tmp_path, capsys):
     assert {"large_tensor_met", "list_met", "large_tensor_ratio_min", "list_ratio_min"} <= set(data["targets"])
 
 
+def test_overhead_parts_quick_reports_every_variant_and_restores_the_hook(bench, tmp_path, capsys):
+    """overhead_parts.py --quick times every variant against the unmonitored model; its patches take effect (the
+    local side switched off makes the checksum mismatch) and are undone after each segment."""
+    from sdc_telemetry.parallel import ddp
+
+    parts = bench("overhead_parts")
+    originals = (ddp._norms, ddp._sums, ddp.ReduceChecksum.reduced)
+    with parts.switched_off("both off"):
+        assert (ddp._norms, ddp._sums, ddp.ReduceChecksum.reduced) != originals
+    assert (ddp._norms, ddp._sums, ddp.ReduceChecksum.reduced) == originals
+    parts.main(["--quick", "--out-dir", str(tmp_path)])
+    assert "Overhead by part of the DDP hook" in capsys.readouterr().out
+    data = _result(tmp_path, "overhead_parts")
+    assert list(data["variants"]) == list(parts.VARIANTS)
+    for v in data["variants"].values():
+        assert len(v["ratio_median_per_rank"]) == 2 and all(0 < x < math.inf for x in v["ratio_median_per_rank"])
+        assert len(v["rank0_ratios"]) == 2
+    assert data["incidents"] > 0
+
+
 def test_overhead_quick_reports_every_configuration(bench, tmp_path, capsys):
     """overhead.py --quick runs every configuration interleaved on 2 ranks and reports ratios with their spread."""
     bench("overhead").main(["--quick", "--out-dir", str(tmp_path)])
