@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sdc_telemetry.checks.calibration import AUTO_FLOOR, Calibration, histogram, noise_median
+from sdc_telemetry.checks.calibration import AUTO_FLOOR, WARMUP, Calibration, histogram, noise_median
 from sdc_telemetry.checks.pairing import Outcome, attribute, plan_pairs, plan_replica_pairs
 from sdc_telemetry.checks.recompute import Recompute, Recomputer, autocast_state, pipeline_loss, scaled
 from sdc_telemetry.checks.shipping import MicroBatch, check_shippable, exchange
@@ -209,7 +209,9 @@ class ReplayCheck:
         world = len(self._ranks)
         shift = self._pairs.shifts[self._audits % len(self._pairs.shifts)]
         triggered = local_fp is None
-        calibrate = not triggered and self._auto and self.mode == "tolerance" and self._audits % _CALIBRATE_EVERY == 0
+        auto = not triggered and self._auto and self.mode == "tolerance"
+        calibrate = auto and self._audits % _CALIBRATE_EVERY == 0  # the rerun noise floor: one more recompute
+        across = auto and (calibrate or self._audits < WARMUP)  # the cross-rank delta: free, in the agreement
         self._audits += 0 if triggered else 1
 
         mine = {"micro": micro, "fp": local_fp, "norms": local_norms.detach().float().cpu(),
@@ -217,7 +219,7 @@ class ReplayCheck:
         outcome = Outcome(world)
         if calibrate:  # before comparing, so the first audit already uses a measured threshold
             self._calibrate(mine)
-        edges, measured = self._cross_round(shift, mine, calibrate=calibrate)
+        edges, measured = self._cross_round(shift, mine, calibrate=across)
         outcome.edges += edges
         if self.errors or not edges:
             return None, measured
@@ -269,13 +271,18 @@ class ReplayCheck:
             row = torch.tensor([0, bits(math.nan), bits(math.nan), 1], dtype=torch.int64)
         else:
             row = self._compare(theirs, theirs["fp"] if theirs is not None else 0)
-        if calibrate:
-            row = self._calibrate_across(row)
         measured = Measurement(self._ranks[origin], unbits(int(row[1])), unbits(int(row[2])), bool(row[0])) \
             if not row[3] else None
-        # Healthy audits end here: one fixed-size agreement says nobody mismatched or failed.
-        high, _ = agree(row[[0, 3]].to(self._wire), self._group)
-        if not any(high):
+        # Healthy audits end here: one fixed-size agreement says nobody mismatched or failed, and carries the largest
+        # healthy delta (the bits of a non-negative float order as the float does; -1 where this rank did not pass).
+        healthy = not row[3] and not row[0]
+        delta = max(unbits(int(row[1])), unbits(int(row[2]))) if healthy else math.nan
+        mine_delta = bits(delta) if math.isfinite(delta) and delta >= 0 else -1
+        high, _ = agree(torch.tensor([int(row[0]), int(row[3]), mine_delta], dtype=torch.int64, device=self._wire),
+                        self._group)
+        if calibrate:
+            self._calibrate_across(high[2])
+        if not (high[0] or high[1]):
             return [], measured
         rows = gather_rows(row, self._group, self._wire)
         self._collect_errors(rows)
@@ -311,17 +318,15 @@ class ReplayCheck:
         self._collect_errors(rows)
         return {p: r[0] == 0 for p, r in enumerate(rows)}
 
-    def _calibrate_across(self, row: torch.Tensor) -> torch.Tensor:
+    def _calibrate_across(self, largest_bits: int) -> None:
         """tolerance="auto": two different ranks computing the same micro-batch differ by more than a rank's reruns
         when their kernels differ (autotuning picked another algorithm): the largest healthy cross-rank delta, over
         a window of calibrations, sets the threshold of the audits that follow. This audit was judged against the
         threshold measured before it, and a rank whose comparison failed contributes nothing: a fault present here
-        can neither hide itself nor raise the threshold. Fixed-size: a summed histogram."""
-        healthy = not row[3] and not row[0]
-        delta = max(unbits(int(row[1])), unbits(int(row[2]))) if healthy else math.nan
+        can neither hide itself nor raise the threshold. ``largest_bits``: the MAX over the ranks of their healthy
+        deltas' bits (-1: none passed), from the audit's agreement."""
         assert self._threshold is not None
-        self._threshold.across(sum_counts(histogram(delta), self._group, self._wire))
-        return row
+        self._threshold.across(unbits(largest_bits) if largest_bits >= 0 else None)
 
     def _calibrate(self, mine: dict[str, Any]) -> None:
         """Same-rank rerun of this rank's own step: the noise floor of non-deterministic kernels. The median over
