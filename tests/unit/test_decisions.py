@@ -198,7 +198,8 @@ def test_calibration_admits_a_deviating_kernel_before_and_after_the_first_cross_
     and moves from step to step (2.9e-5 at one audit, 1.8e-4 at the next): the threshold before any cross-rank audit
     admits it, a healthy cross-rank audit sets a decade above the largest healthy delta (exact, over a window), a
     rerun floor of zero keeps the 1e-5 floor, and noise cannot raise the threshold above the cap."""
-    from sdc_telemetry.checks.calibration import AUTO_FLOOR, Calibration, histogram as _histogram
+    from sdc_telemetry.checks.calibration import AUTO_FLOOR, Calibration
+    from sdc_telemetry.checks.calibration import histogram as _histogram
 
     cal = Calibration()
     assert cal.tolerance > 1.3e-4  # the largest first-audit delta of a 1e-5-deviating rank on the campaign's GPT
