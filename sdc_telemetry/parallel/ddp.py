@@ -14,14 +14,14 @@ still agree and the replay, which compares gradients before the reduction, never
 after DDP's scaling and before the sum, each bucket is cut into chunks of at most ``CHUNK`` elements, each laid out
 as ``BLOCK`` = 16 rows of ``COLS`` = 4093 consecutive elements; each chunk gives S = sum(w_i * x_i) (w: a fixed
 pseudo-random sign per column; 4093 is an odd prime, so two runs of elements a power-of-two distance apart that
-trade places change S unless their columns' signs happen to agree everywhere) and A = sum(|x_i|): each column summed
-in float32 (16 elements), the rest in float64, on the device. The per-chunk S and A of every bucket,
-summed over the ranks, travel in one small float64 all-reduce launched right behind the last bucket's (appending
-them to the bucket itself would change how the backend splits the bucket, and with it the rounding of the sum at
-W >= 3: training would no longer be bitwise that of unmonitored DDP). When a bucket's reduced result comes back,
-S' = sum(w_i * R_i) is taken on exactly what DDP receives, with the reduced gradients' norms in the same pass; at the
-end of backward ``mismatch()`` compares S' with the sum of S per chunk (on the device, no host synchronisation): see
-``tolerance``.
+trade places change S unless their columns' signs happen to agree everywhere), each column summed in float32 (16
+elements), the rest in float64; and A = sum(|x_i|), summed in float32 over the chunk; on the device. The per-chunk
+S and A of every bucket, summed over the ranks, travel in one small float64 all-reduce launched right behind the last
+bucket's (appending them to the bucket itself would change how the backend splits the bucket, and with it the
+rounding of the sum at W >= 3: training would no longer be bitwise that of unmonitored DDP). When a bucket's
+reduced result comes back, S' = sum(w_i * R_i) is taken on exactly what DDP receives, with the reduced gradients'
+norms in the same pass; at the end of backward ``mismatch()`` compares S' with the sum of S per chunk (on the device,
+no host synchronisation): see ``tolerance``.
 
 Cost: on CPU a bucket is read piece by piece (``PIECE`` elements, whole chunks): the local norms, DDP's scaling
 and the chunk sums of a piece run back to back while it is in the core's cache, so that the local side reads each
@@ -85,33 +85,19 @@ def _partial_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _columns(flat: torch.Tensor, c0: int, c1: int, absolute: bool,
-             scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """Column sums (in the partial dtype) of chunks ``c0 .. c1`` of ``flat``, of ``|x|`` when ``absolute``: shape
-    (c1 - c0, COLS). A chunk is ``BLOCK`` rows of ``COLS`` consecutive elements (the last chunk of a bucket may have
-    fewer rows and a partial last row: missing elements count as zeros, without a padded copy). ``scratch``: where
-    ``|x|`` of whole chunks may be written on CPU (at least their size), instead of a fresh temporary."""
+def _columns(flat: torch.Tensor, c0: int, c1: int) -> torch.Tensor:
+    """Column sums (in the partial dtype) of chunks ``c0 .. c1`` of ``flat``: shape (c1 - c0, COLS). A chunk is
+    ``BLOCK`` rows of ``COLS`` consecutive elements (the last chunk of a bucket may have fewer rows and a partial last
+    row: missing elements count as zeros, without a padded copy)."""
     n = flat.numel()
     lo, hi = c0 * CHUNK, min(c1 * CHUNK, n)
     p = _partial_dtype(flat.dtype)
     whole = (hi - lo) // CHUNK
     parts = []
     if whole:
-        x = flat[lo:lo + whole * CHUNK].view(whole, BLOCK, COLS)
-        if absolute:
-            if x.device.type == "cpu":  # CPU has no fast fused sum of |x|: |x| lands in a scratch that stays in cache
-                out = scratch[:whole * CHUNK] if scratch is not None and scratch.numel() >= whole * CHUNK \
-                    and scratch.dtype == x.dtype else None
-                x = torch.abs(x, out=out.view(whole, BLOCK, COLS)) if out is not None else x.abs()
-                parts.append(x.sum(1, dtype=p))
-            else:
-                parts.append(torch.linalg.vector_norm(x, 1, dim=1, dtype=p))
-        else:
-            parts.append(x.sum(1, dtype=p))
+        parts.append(flat[lo:lo + whole * CHUNK].view(whole, BLOCK, COLS).sum(1, dtype=p))
     if hi > lo + whole * CHUNK:  # the bucket's last, partial chunk
         tail = flat[lo + whole * CHUNK:hi]
-        if absolute:
-            tail = tail.abs()
         rows, rest = divmod(tail.numel(), COLS)
         col = tail[:rows * COLS].view(rows, COLS).sum(0, dtype=p) if rows else \
             torch.zeros(COLS, dtype=p, device=flat.device)
@@ -119,6 +105,30 @@ def _columns(flat: torch.Tensor, c0: int, c1: int, absolute: bool,
             col[:rest] += tail[rows * COLS:].to(p)
         parts.append(col.unsqueeze(0))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _absolute(flat: torch.Tensor, c0: int, c1: int, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """A = sum(|x_i|) of each of chunks ``c0 .. c1`` of ``flat`` (float64 out, (c1 - c0,)), summed in the partial
+    dtype over the chunk's contiguous elements (it may read low by n * u_p, which ``tolerance`` allows for): one
+    contiguous reduction, not the strided column sums S needs. On CPU ``|x|`` of whole chunks lands in ``scratch``
+    (at least their size), which stays in cache, instead of a fresh temporary; GPUs take the 1-norm in one pass."""
+    n = flat.numel()
+    lo, hi = c0 * CHUNK, min(c1 * CHUNK, n)
+    p = _partial_dtype(flat.dtype)
+    whole = (hi - lo) // CHUNK
+    parts = []
+    if whole:
+        rows = flat[lo:lo + whole * CHUNK].view(whole, CHUNK)
+        if rows.device.type == "cpu":  # CPU has no fast fused sum of |x| (its 1-norm kernel is slower than both)
+            out = scratch[:whole * CHUNK] if scratch is not None and scratch.numel() >= whole * CHUNK \
+                and scratch.dtype == rows.dtype else None
+            parts.append((torch.abs(rows, out=out.view(whole, CHUNK)) if out is not None else rows.abs())
+                         .sum(1, dtype=p))
+        else:
+            parts.append(torch.linalg.vector_norm(rows, 1, dim=1, dtype=p))
+    if hi > lo + whole * CHUNK:  # the bucket's last, partial chunk
+        parts.append(flat[lo + whole * CHUNK:hi].abs().sum(dtype=p).reshape(1))
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(torch.float64)
 
 
 def _weighted(cols: torch.Tensor) -> torch.Tensor:
@@ -134,8 +144,8 @@ def _sums(flat: torch.Tensor, c0: int, c1: int, scratch: torch.Tensor | None = N
     s, a = [], []
     for c in range(c0, c1, step):
         e = min(c + step, c1)
-        s.append(_weighted(_columns(flat, c, e, False)))
-        a.append(_columns(flat, c, e, True, scratch).sum(1, dtype=torch.float64))
+        s.append(_weighted(_columns(flat, c, e)))
+        a.append(_absolute(flat, c, e, scratch))
     if len(s) == 1:
         return s[0], a[0]
     return torch.cat(s), torch.cat(a)
@@ -151,12 +161,12 @@ def weighted_sums(flat: torch.Tensor) -> torch.Tensor:
     (``BLOCK`` elements) is summed in float32 (float64 buckets: float64), the rest in float64."""
     if flat.numel() == 0:
         return torch.zeros(0, dtype=torch.float64, device=flat.device)
-    return _weighted(_columns(flat, 0, _chunks(flat.numel()), False))
+    return _weighted(_columns(flat, 0, _chunks(flat.numel())))
 
 
 def chunk_sums(flat: torch.Tensor) -> torch.Tensor:
-    """Per chunk, S (``weighted_sums``) and A = sum(|x_i|) (columns in float32 for sub-float64 dtypes, the rest in
-    float64): (2, k) float64."""
+    """Per chunk, S (``weighted_sums``) and A = sum(|x_i|) (summed in float32 for sub-float64 dtypes): (2, k)
+    float64."""
     if flat.numel() == 0:
         return torch.zeros((2, 0), dtype=torch.float64, device=flat.device)
     return torch.stack(_sums(flat, 0, _chunks(flat.numel())))
@@ -385,7 +395,7 @@ class ReduceChecksum:
                 for _, _, c0, c1, _, starting in plan.pieces:
                     found += _norms(flat, starting)
                     if c1 > c0:
-                        parts.append(_weighted(_columns(flat, c0, c1, False)))
+                        parts.append(_weighted(_columns(flat, c0, c1)))
                 s = parts[0] if len(parts) == 1 else torch.cat(parts)
                 norms = (plan.monitored, torch.stack(found) if found else torch.zeros(0, device=flat.device))
             event = None
