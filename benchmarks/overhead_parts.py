@@ -5,7 +5,8 @@
 
 One monitored DDP model (``SDCConfig(weights_every=0, replay_every=0)``: the gradient checks) and one unmonitored copy
 train in the same process group; segments of ``segment`` steps take turns as in ``overhead.py`` (A B C ..., then
-backwards), and per round each variant's median step is divided by the unmonitored one's. The variants switch parts
+backwards), and per round each variant's median step is divided by the unmonitored one's (wall time, and the CPU time
+of the process, every thread: less disturbed by other work on the machine). The variants switch parts
 of the monitor's comm hook off by patching them for the segment (the monitor object is the same):
 
 - ``all on``: the gradient checks as shipped;
@@ -25,7 +26,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -81,11 +82,12 @@ def _rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     batches = token_batches(steps, spec["batch"], spec["model"]["seq"], spec["model"]["vocab"], seed=1000 + rank)
     used = {"none": 0, "grad": 0}
 
-    def step(name: str) -> float:
+    def step(name: str) -> tuple[float, float]:
+        """(wall seconds, CPU seconds of this process, every thread) of one step."""
         model, opt, monitor = models[name]
         batch = batches[used[name] % len(batches)]
         used[name] += 1
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         if monitor is not None:
             with monitor.step(batch) as st:
                 st.backward(lm_loss(model, batch))
@@ -93,27 +95,28 @@ def _rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             lm_loss(model, batch).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
     for name in models:
         for _ in range(spec["warmup"]):
             step(name)
     order: list[str] = ["baseline", *VARIANTS]
     ratios: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    cpu_ratios: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for r in range(spec["rounds"]):
-        medians: dict[str, float] = {}
+        wall: dict[str, float] = {}
+        cpu: dict[str, float] = {}
         for label in (order if r % 2 == 0 else order[::-1]):
             dist.barrier()
-            if label == "baseline":
-                medians[label] = median([step("none") for _ in range(spec["segment"])])
-                continue
-            with switched_off(label):
-                medians[label] = median([step("grad") for _ in range(spec["segment"])])
+            with switched_off(label) if label != "baseline" else nullcontext():
+                times = [step("none" if label == "baseline" else "grad") for _ in range(spec["segment"])]
+            wall[label], cpu[label] = median([w for w, _ in times]), median([c for _, c in times])
         for v in VARIANTS:
-            ratios[v].append(medians[v] / medians["baseline"])
+            ratios[v].append(wall[v] / wall["baseline"])
+            cpu_ratios[v].append(cpu[v] / cpu["baseline"])
     monitor = models["grad"][2]
     monitor.close()
-    return {"ratios": ratios, "incidents": len(monitor.incidents)}
+    return {"ratios": ratios, "cpu_ratios": cpu_ratios, "incidents": len(monitor.incidents)}
 
 
 def run(world: int = 2, model: dict[str, int] | None = None, batch: int = 4, segment: int = 8, rounds: int = 10,
@@ -127,10 +130,14 @@ def run(world: int = 2, model: dict[str, int] | None = None, batch: int = 4, seg
     rows, out = [], {}
     for v in VARIANTS:
         per_rank = [median(r["ratios"][v]) for r in results]
+        cpu_rank = [median(r["cpu_ratios"][v]) for r in results]
         q1, q3 = iqr(results[0]["ratios"][v])
-        out[v] = {"ratio_median_per_rank": per_rank, "rank0_iqr": [q1, q3], "rank0_ratios": results[0]["ratios"][v]}
-        rows.append([v, " / ".join(f"{x:.3f}" for x in per_rank), f"{q1:.3f}-{q3:.3f}"])
-    say(table(["gradient checks, variant", "step ratio to unmonitored (median; rank 0 / rank 1)", "rank 0 IQR"],
+        out[v] = {"ratio_median_per_rank": per_rank, "rank0_iqr": [q1, q3], "rank0_ratios": results[0]["ratios"][v],
+                  "cpu_ratio_median_per_rank": cpu_rank, "rank0_cpu_iqr": list(iqr(results[0]["cpu_ratios"][v]))}
+        rows.append([v, " / ".join(f"{x:.3f}" for x in per_rank), f"{q1:.3f}-{q3:.3f}",
+                     " / ".join(f"{x:.3f}" for x in cpu_rank)])
+    say(table(["gradient checks, variant", "step ratio to unmonitored (median; rank 0 / rank 1)", "rank 0 IQR",
+               "CPU-time ratio (rank 0 / rank 1)"],
               rows, title=f"Overhead by part of the DDP hook: {world} ranks, {rounds} rounds x {segment} steps"))
     # The local side switched off zeroes the chunk sums: the checksum then mismatches, which shows the patch took.
     payload = {"spec": spec, "world": world, "variants": out, "incidents": results[0]["incidents"],
