@@ -85,14 +85,17 @@ def _partial_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _span(flat: torch.Tensor, c0: int, c1: int) -> tuple[int, int, int, torch.dtype]:
+    """Chunks ``c0 .. c1`` of ``flat``: (first element, end element, whole chunks among them, partial dtype)."""
+    lo, hi = c0 * CHUNK, min(c1 * CHUNK, flat.numel())
+    return lo, hi, (hi - lo) // CHUNK, _partial_dtype(flat.dtype)
+
+
 def _columns(flat: torch.Tensor, c0: int, c1: int) -> torch.Tensor:
     """Column sums (in the partial dtype) of chunks ``c0 .. c1`` of ``flat``: shape (c1 - c0, COLS). A chunk is
     ``BLOCK`` rows of ``COLS`` consecutive elements (the last chunk of a bucket may have fewer rows and a partial last
     row: missing elements count as zeros, without a padded copy)."""
-    n = flat.numel()
-    lo, hi = c0 * CHUNK, min(c1 * CHUNK, n)
-    p = _partial_dtype(flat.dtype)
-    whole = (hi - lo) // CHUNK
+    lo, hi, whole, p = _span(flat, c0, c1)
     parts = []
     if whole:
         parts.append(flat[lo:lo + whole * CHUNK].view(whole, BLOCK, COLS).sum(1, dtype=p))
@@ -112,10 +115,7 @@ def _absolute(flat: torch.Tensor, c0: int, c1: int, scratch: torch.Tensor | None
     dtype over the chunk's contiguous elements (it may read low by n * u_p, which ``tolerance`` allows for): one
     contiguous reduction, not the strided column sums S needs. On CPU ``|x|`` of whole chunks lands in ``scratch``
     (at least their size), which stays in cache, instead of a fresh temporary; GPUs take the 1-norm in one pass."""
-    n = flat.numel()
-    lo, hi = c0 * CHUNK, min(c1 * CHUNK, n)
-    p = _partial_dtype(flat.dtype)
-    whole = (hi - lo) // CHUNK
+    lo, hi, whole, p = _span(flat, c0, c1)
     parts = []
     if whole:
         rows = flat[lo:lo + whole * CHUNK].view(whole, CHUNK)
