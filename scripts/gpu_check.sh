@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# GPU check, on one CUDA device; CI never runs it. Four parts, each under a timeout (about 9 minutes in all at most,
-# usually under 3):
+# GPU check, on one CUDA device; CI never runs it. Five parts, each under a timeout (about 12 minutes in all at most,
+# usually under 5):
 #   1. the unit tests marked `gpu` (real NVML through the collector and through Telemetry);
 #   2. the real NVML counters of this GPU read by the collector, served on a Prometheus endpoint, scraped over HTTP
 #      and printed per family (fields the GPU does not support are listed as left out);
 #   3. sdc.fingerprint against torch.sum on 1 GiB of bf16 and of fp32 (median of CUDA-event timings, GB/s, ratio);
 #   4. the NCCL path: a one-rank NCCL process group, DDP and the monitor; healthy steps run under
 #      torch.cuda.set_sync_debug_mode("error") (any host synchronisation raises), and a NaN gradient is still
-#      reported, at its own step, when its verdict is read one step later.
+#      reported, at its own step, when its verdict is read one step later;
+#   5. replay noise on real kernels: 2 gloo ranks sharing the GPU train a small GPT under bf16 autocast with
+#      mode="tolerance", tolerance="auto" and an audit every step (benchmarks/replay_noise.py): every audit must pass,
+#      and the measured loss/gradient deltas, the calibrated threshold and its headroom are printed.
 # Usage: scripts/gpu_check.sh            (PY=/path/to/python to use another interpreter than .venv/bin/python)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,11 +26,11 @@ fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv || true
 
 echo
-echo "== 1/4 unit tests marked gpu"
+echo "== 1/5 unit tests marked gpu"
 timeout 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/unit
 
 echo
-echo "== 2/4 real NVML counters through the collector, scraped over HTTP"
+echo "== 2/5 real NVML counters through the collector, scraped over HTTP"
 timeout 90 "$PY" - <<'PYEOF'
 import json
 import socket
@@ -78,7 +81,7 @@ assert {"hw_temperature_celsius", "hw_gpu_memory_usage_bytes"} <= seen, "basic N
 PYEOF
 
 echo
-echo "== 3/4 sdc.fingerprint vs torch.sum on 1 GiB"
+echo "== 3/5 sdc.fingerprint vs torch.sum on 1 GiB"
 timeout 180 "$PY" - <<'PYEOF'
 import torch
 
@@ -124,7 +127,7 @@ for dtype in (torch.bfloat16, torch.float32):
 PYEOF
 
 echo
-echo "== 4/4 NCCL path: no host synchronisation on healthy steps"
+echo "== 4/5 NCCL path: no host synchronisation on healthy steps"
 timeout 120 "$PY" - <<'PYEOF'
 import os
 import socket
@@ -179,6 +182,11 @@ print("incidents:", found)
 assert found and found[0][:2] == (poisoned, "grad_local"), found
 dist.destroy_process_group()
 PYEOF
+
+echo
+echo "== 5/5 replay noise on real kernels: 2 gloo ranks on this GPU, bf16, tolerance=auto, an audit every step"
+timeout 240 "$PY" benchmarks/replay_noise.py --check --device cuda --dtype bf16 --steps 40 --out-dir "${OUT:-/tmp}/gpu_check"
+timeout 120 "$PY" benchmarks/replay_noise.py --check --device cuda --dtype fp32 --steps 20 --out-dir "${OUT:-/tmp}/gpu_check"
 
 echo
 echo "gpu_check: OK"

@@ -76,6 +76,24 @@ def test_overhead_parts_quick_reports_every_variant_and_restores_the_hook(bench,
     assert data["incidents"] > 0
 
 
+def test_replay_noise_quick_measures_deltas_and_the_calibrated_headroom(bench, tmp_path, capsys):
+    """replay_noise.py --quick on CPU with emulated run-to-run noise: every step is an audit and passes on both ranks,
+    the measured deltas are non-zero (the noise reached the replay) and the calibrated tolerance sits above them; bad
+    input is refused by name."""
+    noise = bench("replay_noise")
+    noise.main(["--quick", "--check", "--dtype", "fp32", "--emulate", "1e-6", "--out-dir", str(tmp_path)])
+    assert "target: every audit passes with no incident on real kernels: met" in capsys.readouterr().out
+    data = _result(tmp_path, "replay_noise")
+    assert data["every_audit_passed"] and len(data["ranks"]) == 2
+    for r in data["ranks"]:
+        assert r["counts"] == {"pass": data["spec"]["steps"]} and r["incidents"] == []
+        assert 0 < r["grad_delta_max"] < r["tolerance"] and r["headroom"] > 1
+    with pytest.raises(ValueError, match="emulate"):
+        noise.run(device="cpu", emulate=0.7)
+    with pytest.raises(ValueError, match="dtype"):
+        noise.run(device="cpu", dtype="fp8")
+
+
 def test_overhead_quick_reports_every_configuration(bench, tmp_path, capsys):
     """overhead.py --quick runs every configuration interleaved on 2 ranks and reports ratios with their spread."""
     bench("overhead").main(["--quick", "--out-dir", str(tmp_path)])
