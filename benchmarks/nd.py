@@ -60,7 +60,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import iqr, load_warning, median, param_count, table, token_batches, write_json
+from _common import iqr, lm_loss, load_warning, median, param_count, table, token_batches, write_json
 
 import sdc_telemetry as sdc
 from sdc_telemetry.faults import FaultInjector, flip_bit
@@ -138,12 +138,6 @@ class TPGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln(x))  # type: ignore[no-any-return]
-
-
-def lm_loss(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    logits = module(x)
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 def build_tp(spec: dict[str, int], mesh: Any, seed: int = 0) -> TPGPT:

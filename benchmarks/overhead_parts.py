@@ -32,13 +32,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import GPT, iqr, lm_loss, load_warning, median, table, token_batches, write_json
-from overhead import MODEL, QUICK_MODEL
+from _common import iqr, load_warning, median, table, token_batches, write_json
+from overhead import MODEL, QUICK_MODEL, _Run
 
-import sdc_telemetry as sdc
 from sdc_telemetry.parallel import ddp
 from sdc_telemetry.testing import spawn_ranks
 
@@ -69,35 +67,17 @@ def switched_off(variant: str) -> Iterator[None]:
 
 def _rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_flush_denormal(True)  # as overhead.py: step times of the training, not of subnormal arithmetic
-    models: dict[str, tuple[DistributedDataParallel, torch.optim.Optimizer, Any]] = {}
-    for name, monitored in (("none", False), ("grad", True)):
-        torch.manual_seed(0)
-        module = GPT(**spec["model"])
-        opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
-        model = DistributedDataParallel(module)
-        monitor = sdc.SDCMonitor(model, opt, loss_fn=lm_loss, config=sdc.SDCConfig(
-            metrics_port=None, nvml=False, weights_every=0, replay_every=0, on_suspect="record")) if monitored else None
-        models[name] = (model, opt, monitor)
+    device = torch.device("cpu")
+    runs = {"none": _Run(spec, None, device), "grad": _Run(spec, {"weights_every": 0, "replay_every": 0}, device)}
     steps = spec["warmup"] + spec["segment"] * spec["rounds"] * len(VARIANTS)
     batches = token_batches(steps, spec["batch"], spec["model"]["seq"], spec["model"]["vocab"], seed=1000 + rank)
-    used = {"none": 0, "grad": 0}
 
     def step(name: str) -> tuple[float, float]:
         """(wall seconds, CPU seconds of this process, every thread) of one step."""
-        model, opt, monitor = models[name]
-        batch = batches[used[name] % len(batches)]
-        used[name] += 1
-        start, cpu = time.perf_counter(), time.process_time()
-        if monitor is not None:
-            with monitor.step(batch) as st:
-                st.backward(lm_loss(model, batch))
-        else:
-            lm_loss(model, batch).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - start, time.process_time() - cpu
+        run = runs[name]
+        return run.train(batches[run.step % len(batches)], device)
 
-    for name in models:
+    for name in runs:
         for _ in range(spec["warmup"]):
             step(name)
     order: list[str] = ["baseline", *VARIANTS]
@@ -114,7 +94,8 @@ def _rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         for v in VARIANTS:
             ratios[v].append(wall[v] / wall["baseline"])
             cpu_ratios[v].append(cpu[v] / cpu["baseline"])
-    monitor = models["grad"][2]
+    monitor = runs["grad"].monitor
+    assert monitor is not None
     monitor.close()
     return {"ratios": ratios, "cpu_ratios": cpu_ratios, "incidents": len(monitor.incidents)}
 
