@@ -146,11 +146,12 @@ def _scrape(port: int) -> str:
 
 
 def _free_port() -> int:
+    """A base port whose endpoint port (base + the suspect's local rank, where Telemetry listens) was just free."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        return int(s.getsockname()[1]) - SUSPECT.local_rank
 
 
 def test_telemetry_close_waits_for_no_scrape_by_default_and_stops_the_endpoint_at_once() -> None:
