@@ -101,9 +101,12 @@ def test_overhead_quick_reports_every_configuration(bench, tmp_path, capsys):
     assert "per-step ratio" in out and "Where the time goes" in out
     assert out.count("target:") == 3
     data = _result(tmp_path, "overhead")
-    labels = ["no monitor", "no monitor, Python allreduce comm hook", "grad checks", "grad + weights/1",
-              "grad + weights/1 + replay/4", "grad + weights/1 + replay/2"]
+    labels = ["no monitor", "no monitor, Python allreduce comm hook", "no monitor, one read each (floor)",
+              "grad checks", "grad + weights/1", "grad + weights/1 + replay/4", "grad + weights/1 + replay/2"]
     assert list(data["configs"]) == labels
+    # the floor read every local gradient, every reduced gradient and every parameter at every step
+    assert data["floor_reads_per_step"] == 3 * data["parameter_tensors"] > 0
+    assert "floor_ratio" in data["targets"]
     assert len(data["rounds"]) == data["spec"]["rounds"] == 2
     for rnd in data["rounds"]:
         assert set(rnd) == set(labels)
