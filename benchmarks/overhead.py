@@ -355,13 +355,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--segment", type=int, default=10, help="steps per configuration and round")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--device", default="cpu", help="cpu, or cuda (ranks share the GPUs round-robin; gloo)")
+    p.add_argument("--replay-every", default="50,10",
+                   help="replay periods, comma-separated (rounds x segment must be a multiple of each)")
     p.add_argument("--out-dir", help="where overhead.json goes (default benchmarks/results)")
     a = p.parse_args(argv)
+    try:
+        periods = tuple(int(x) for x in a.replay_every.split(",") if x.strip())
+    except ValueError:
+        p.error(f"--replay-every must be comma-separated whole numbers, not {a.replay_every!r}")
+    if not periods or min(periods) < 1:
+        p.error(f"--replay-every needs at least one period, each at least 1 (got {a.replay_every!r})")
+    if a.batch < 1 or a.rounds < 1 or a.segment < 1:
+        p.error("--batch, --rounds and --segment must be at least 1")
     if a.quick:
         run(world=2, model=QUICK_MODEL, batch=2, segment=4, rounds=2, warmup=1, replay_every=(4, 2),
             device=a.device, out_dir=a.out_dir)
     else:
-        run(world=a.world, batch=a.batch, segment=a.segment, rounds=a.rounds, device=a.device, out_dir=a.out_dir)
+        try:
+            run(world=a.world, batch=a.batch, segment=a.segment, rounds=a.rounds, replay_every=periods,
+                device=a.device, out_dir=a.out_dir)
+        except ValueError as e:  # rounds x segment not a multiple of a replay period
+            p.error(str(e))
 
 
 if __name__ == "__main__":
