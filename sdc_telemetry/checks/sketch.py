@@ -32,14 +32,16 @@ _signs: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def _rademacher(n: int, device: torch.device) -> torch.Tensor:
-    """Seeded +-1 signs for the first n positions (the same on every rank of the same device type), cached by the
-    largest size seen per device so that a model's parameters share one sign vector."""
+    """Seeded +-1 signs for the first n positions, the same on every rank whatever its device: drawn by the CPU
+    generator and copied to ``device`` (a CUDA generator's stream of numbers depends on the launch grid, which
+    depends on the GPU's SM count, so two GPU models would draw different signs and every sketch would differ).
+    Cached by the largest size seen per device so that a model's parameters share one sign vector."""
     for (size, dev), signs in _signs.items():
         if dev == device and size >= n:
             return signs[:n]
     size = max(n, 1 << 16)
-    gen = torch.Generator(device=device).manual_seed(_SEED)
-    signs = torch.randint(0, 2, (size,), generator=gen, device=device, dtype=torch.int8).mul_(2).sub_(1)
+    gen = torch.Generator().manual_seed(_SEED)
+    signs = torch.randint(0, 2, (size,), generator=gen, dtype=torch.int8).mul_(2).sub_(1).to(device)
     for key in [k for k in _signs if k[1] == device]:
         del _signs[key]
     _signs[(size, device)] = signs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from sdc_telemetry.checks.sketch import BLOCKS, WIDTH, _rademacher, delta, sketch
@@ -49,3 +50,28 @@ def test_one_sign_flip_or_mantissa_change_stands_out_of_noise() -> None:
     assert delta(sketch([noisy]), base) < 1e-5
     assert delta(sketch([flipped]), base) > 1e-3
     assert delta(sketch([mantissa]), base) > 1e-4
+
+
+def test_signs_are_the_cpu_generators_draw_and_a_prefix_survives_growth() -> None:
+    """The +-1 signs are one fixed draw of the CPU generator (the definition every device shares), and growing the
+    cached vector for a larger parameter keeps every earlier sign."""
+    from sdc_telemetry.checks import sketch as module
+
+    module._signs.clear()
+    small = _rademacher(1000, torch.device("cpu")).clone()
+    big = _rademacher(3 << 17, torch.device("cpu"))
+    reference = torch.randint(0, 2, (3 << 17,), generator=torch.Generator().manual_seed(module._SEED),
+                              dtype=torch.int8).mul_(2).sub_(1)
+    assert torch.equal(big, reference) and torch.equal(small, reference[:1000])
+    assert set(big.unique().tolist()) == {-1, 1}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_signs_equal_the_cpu_signs_past_any_launch_grid() -> None:
+    """On a GPU the signs are the CPU's, bit for bit, beyond 2048 x SMs elements (where a CUDA generator's draw
+    depends on the GPU model's launch grid): two GPU models sketch alike."""
+    n = 1 << 22
+    assert torch.equal(_rademacher(n, torch.device("cuda", 0)).cpu(), _rademacher(n, torch.device("cpu")))
+    g = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(sketch([g.cuda()]).cpu(), sketch([g]), rtol=1e-9, atol=1e-9)
