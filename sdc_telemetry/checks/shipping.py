@@ -92,38 +92,96 @@ class MicroBatch:
     had_grad: list[bool] | None = None
 
 
+_DEV = "__sdc_device_tensor__"
+
+
+def _off_device(x: Any, moved: list[tuple[dict[str, Any], torch.Tensor]]) -> Any:
+    """``x`` with every tensor that is not on the CPU replaced by a tagged placeholder ``{_DEV: None}``, collected in
+    ``moved`` with its tensor: they are copied to the host all at once (``_to_host``), not one blocking copy each."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type == "cpu":
+            return x
+        slot: dict[str, Any] = {_DEV: None}
+        moved.append((slot, x))
+        return slot
+    if type(x) in (list, tuple):
+        return type(x)(_off_device(v, moved) for v in x)
+    if type(x) in (dict, OrderedDict):
+        return type(x)((k, _off_device(v, moved)) for k, v in x.items())
+    return x
+
+
+def _to_host(moved: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
+    """Fill the placeholders with host copies: on CUDA every copy is queued without blocking (into pinned memory)
+    and the host waits once per device, so a record of M micro-batches costs one synchronisation, not one per
+    tensor (``torch.save`` would copy each CUDA storage with its own blocking copy)."""
+    waits: dict[torch.device, Any] = {}
+    for slot, t in moved:
+        if t.is_cuda:
+            slot[_DEV] = t.detach().to("cpu", non_blocking=True)
+            if t.device not in waits:
+                waits[t.device] = None
+        else:  # another accelerator: a plain copy
+            slot[_DEV] = t.detach().cpu()
+    for device in waits:
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(device))
+        event.synchronize()
+
+
+def _on_device(x: Any, device: torch.device) -> Any:
+    """The inverse of ``_off_device`` on the receiver: tagged tensors land on ``device`` (CUDA: from pinned memory,
+    without blocking), everything else as loaded."""
+    if type(x) is dict and _DEV in x and len(x) == 1 and isinstance(x[_DEV], torch.Tensor):
+        t = x[_DEV]
+        if device.type == "cuda":
+            return t.pin_memory().to(device, non_blocking=True)
+        return t.to(device)
+    if type(x) in (list, tuple):
+        return type(x)(_on_device(v, device) for v in x)
+    if type(x) in (dict, OrderedDict):
+        return type(x)((k, _on_device(v, device)) for k, v in x.items())
+    return x
+
+
 def pack(record: dict[str, Any]) -> torch.Tensor:
+    """The record as bytes. Tensors on an accelerator (a batch on the GPU, the loss, a GradScaler's scale) travel
+    as tagged host copies, made together; they land on the receiver's device."""
+    moved: list[tuple[dict[str, Any], torch.Tensor]] = []
+    micro = _off_device([{"batch": _to_plain(m.batch), "cpu_rng": m.cpu_rng, "dev_rng": m.dev_rng, "scale": m.scale,
+                          "loss": m.loss, "grad_scale": m.grad_scale, "had_grad": m.had_grad,
+                          "autocast": None if m.autocast is None else
+                          (m.autocast[0], str(m.autocast[1]).removeprefix("torch."))} for m in record["micro"]],
+                        moved)
+    _to_host(moved)
     plain = {
         "fp": record["fp"],
-        "norms": record["norms"],
-        "sketch": record.get("sketch"),
-        "micro": [{"batch": _to_plain(m.batch), "cpu_rng": m.cpu_rng, "dev_rng": m.dev_rng, "scale": m.scale,
-                   "loss": m.loss, "grad_scale": m.grad_scale, "had_grad": m.had_grad,
-                   "autocast": None if m.autocast is None else
-                   (m.autocast[0], str(m.autocast[1]).removeprefix("torch."))} for m in record["micro"]],
+        "norms": _cpu(record["norms"]),
+        "sketch": _cpu(record.get("sketch")),
+        "micro": micro,
     }
     buf = io.BytesIO()
     torch.save(plain, buf)
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
+def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.device.type == "cpu" else t.cpu()
+
+
 def unpack(data: torch.Tensor, device: torch.device) -> dict[str, Any]:
     """Load a packed record: tensors that lived on an accelerator land on ``device``, CPU tensors (the batch as the
     origin held it, RNG states, which ``set_rng_state`` wants on the CPU) stay on the CPU."""
     raw = data.cpu().numpy().tobytes()
-
-    def place(storage: Any, location: str) -> Any:
-        return storage if location == "cpu" else storage.to(device=device)
-
-    plain = torch.load(io.BytesIO(raw), map_location=place, weights_only=True)
+    plain = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    plain["micro"] = _on_device(plain["micro"], device)
     micro = [MicroBatch(batch=_from_plain(m["batch"]), cpu_rng=m["cpu_rng"], dev_rng=m["dev_rng"],
                          had_grad=m["had_grad"], grad_scale=m["grad_scale"],
                          autocast=None if m["autocast"] is None else (m["autocast"][0],
                                                                       getattr(torch, m["autocast"][1])),
                          scale=m["scale"], loss=m["loss"]) for m in plain["micro"]]
     sk = plain.get("sketch")
-    return {"fp": plain["fp"], "norms": plain["norms"].cpu(), "sketch": sk.cpu() if sk is not None else None,
-            "micro": micro}
+    return {"fp": plain["fp"], "norms": plain["norms"], "sketch": sk, "micro": micro}
 
 
 def exchange(mine: dict[str, Any], send_to: int, recv_from: int, group: Any, wire: torch.device,
