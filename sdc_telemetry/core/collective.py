@@ -8,12 +8,13 @@ the MIN of each field over the group (flags OR/AND, digests equal or not). Per-r
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["collective_device", "agree", "sum_counts", "gather_rows", "gather_objects", "gather_ragged", "group_ranks",
-           "Agreement"]
+__all__ = ["collective_device", "agree", "wait_work", "sum_counts", "gather_rows", "gather_objects", "gather_ragged",
+           "group_ranks", "Agreement"]
 
 
 def collective_device(group: dist.ProcessGroup | None, device: torch.device | None = None) -> torch.device:
@@ -50,7 +51,7 @@ class Agreement:
             both = torch.where(mask, torch.full_like(both, torch.iinfo(torch.int64).min), both)
         if distributed:
             both = both.to(collective_device(group, vec.device))
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+            wait_work(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True))
         self._event: torch.cuda.Event | None = None
         if both.is_cuda or self._local.is_cuda:
             host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
@@ -85,6 +86,18 @@ class Agreement:
             values: list[int] = self._both.tolist()
             self._result = values[:self.size], [~x for x in values[self.size:]]
         return self._result
+
+
+def wait_work(work: Any) -> None:
+    """Wait for a collective the way that never blocks the host on CUDA: through its future (NCCL: the current
+    stream waits for the work's events). ``Work.wait()`` busy-waits the host where ``TORCH_NCCL_BLOCKING_WAIT`` is
+    set, as clusters often do. CPU backends are done when it returns; a work without a future is waited on."""
+    try:
+        future = work.get_future()
+    except (AttributeError, RuntimeError, NotImplementedError):  # a backend without futures
+        work.wait()
+        return
+    future.wait()
 
 
 def agree(vec: torch.Tensor, group: dist.ProcessGroup | None, distributed: bool = True

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from sdc_telemetry.core.collective import group_ranks
+from sdc_telemetry.core.collective import group_ranks, wait_work
 from sdc_telemetry.parallel.base import GradSink, Layout
 
 __all__ = ["DDP", "CommHook", "CommHookState", "comm_hook", "allreduce_as_ddp", "DDPScaling", "ReduceChecksum",
@@ -132,8 +132,12 @@ def _absolute(flat: torch.Tensor, c0: int, c1: int, scratch: torch.Tensor | None
 
 
 def _weighted(cols: torch.Tensor) -> torch.Tensor:
-    """S per chunk from its column sums: sum_c w_c * cols[c], in float64."""
-    return torch.mv(cols.to(torch.float64), _signs(cols.device))
+    """S per chunk from its column sums: sum_c w_c * cols[c], in float64. One ``mv`` on CPU; on CUDA a multiply and
+    a sum instead of cuBLAS: the reduced side runs here in a future's callback, on the next stream of torch's pool
+    each time, and cuBLAS keeps a workspace (up to 32 MiB) for every stream it meets, for good."""
+    c = cols.to(torch.float64)
+    w = _signs(cols.device)
+    return (c * w).sum(1) if c.is_cuda else torch.mv(c, w)
 
 
 def _sums(flat: torch.Tensor, c0: int, c1: int, scratch: torch.Tensor | None = None) -> tuple[torch.Tensor,
@@ -442,13 +446,14 @@ class ReduceChecksum:
         if r.work is None or r.sums is None or r.failed or any(i not in r.reduced for i in checked):
             self.skipped += 1
             return
-        r.work.wait()  # CUDA: the current stream waits for the all-reduce; the host does not
+        wait_work(r.work)  # CUDA: the current stream waits for the all-reduce, the host does not
         current = torch.cuda.current_stream(r.sums.device) if r.sums.is_cuda else None
         for event in r.events:
             current.wait_event(event)  # type: ignore[union-attr]
         reduced = [r.reduced[i] for i in checked]
         if current is not None:
-            for t in [*reduced, *(n for _, n in r.norms.values())]:  # made on the callback's stream, read on this one
+            # Made on the callback's (or the autograd thread's) stream, read on this one.
+            for t in [*reduced, *(n for _, n in r.norms.values()), r.sums]:
                 t.record_stream(current)
         coef, limit = self._constants_for(tuple((i, *r.sizes[i]) for i in checked), r.world, r.sums.device)
         flag = compare(r.sums, torch.cat(reduced), coef, limit, r.world)

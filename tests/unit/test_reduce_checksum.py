@@ -273,3 +273,12 @@ def test_grad_check_reads_the_checksum_field_on_the_fast_and_the_rare_path() -> 
     assert f is not None and f.suspect_ranks == (2,) and f.evidence["ambiguous"] is False and gathered
     healthy = list(low)
     assert check.verdict(healthy, healthy, healthy, (1.0, 1.0, 0.0), torch.ones(1), S.GRAD_FIELDS, False) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_weighted_sums_match_the_cpu_ones_without_cublas() -> None:
+    """On CUDA, S per chunk is a float64 multiply and sum (no cuBLAS gemv on the callback's pool streams): the
+    same values as the CPU's mv, to float64 rounding."""
+    x = torch.randn(3 * CHUNK + 1234, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(weighted_sums(x.cuda()).cpu(), weighted_sums(x), rtol=1e-12, atol=1e-9)
