@@ -17,7 +17,8 @@ What each check compares (``parallel.coordinates``):
   every tp/cp coordinate at once (their tensor- and context-parallel collectives line up within the replica, the
   FSDP all-gathers across replicas), and each coordinate compares its local gradients and loss with the origin's
   same coordinate. RNG states travel coordinate to coordinate: DTensor's parallel RNG tracker (torch 2.13) keeps
-  its offsets in the device generator, which travels with the micro-batch.
+  its offsets in the device generator, which travels with the micro-batch (older torch kept a copy of its own:
+  refused, ``check_torch``).
 
 Refused by name: pipeline dims without ``pipeline=`` (``parallel.pipeline``), expert parallelism, tensor
 parallelism without ``fully_shard`` (DDP over DTensor parameters), a data-parallel shard dimension of size 1
@@ -85,6 +86,23 @@ def is_nd(model: torch.nn.Module, mesh: Any) -> bool:
     return len(meshes) > 1 or root.ndim > 2 or bool({"tp", "cp", "pp"} & names)
 
 
+#: the first torch whose DTensor RNG tracker keeps its offsets in the device generator (which the replay ships);
+#: before it the tracker held its own copy of the generator state, which the replay neither captures nor restores
+MIN_TORCH = (2, 9)
+
+
+def check_torch(version: str | None = None) -> None:
+    """``LayoutError`` on a torch older than ``MIN_TORCH``: random ops under tensor parallelism (dropout on
+    DTensors) would not reproduce in the replay, and every audit would mismatch."""
+    from torch.torch_version import TorchVersion
+
+    found = version if version is not None else str(torch.__version__)
+    if TorchVersion(found) < MIN_TORCH:  # type: ignore[operator]  # TorchVersion compares with tuples
+        raise LayoutError(f"N-D layouts (tensor and context parallelism) need torch >= "
+                          f"{'.'.join(map(str, MIN_TORCH))}, this is {found}: its DTensor RNG tracker keeps a copy "
+                          "of the generator state that the replay cannot reproduce; upgrade torch")
+
+
 class MeshLayout(FSDP):
     """A fully_shard-ed model with tensor and/or context parallel dims on one world DeviceMesh."""
 
@@ -93,6 +111,7 @@ class MeshLayout(FSDP):
     def __init__(self, model: torch.nn.Module, mesh: Any = None, *, pipeline: bool = False) -> None:
         from torch.distributed.device_mesh import DeviceMesh
 
+        check_torch()
         ranks, rank = world_ranks()
         super(FSDP, self).__init__(model, model, None, ranks, rank)  # collectives on the default group
         if mesh is not None and not isinstance(mesh, DeviceMesh):

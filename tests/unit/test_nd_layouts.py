@@ -67,3 +67,21 @@ def test_mesh_dims_are_refused_by_name() -> None:
             check_dims(names)
     check_dims(("pp", "dp_replicate", "fsdp", "tp"))
     assert canonical(("fsdp", "tp")) == ("dp_shard", "tp")
+
+
+def test_nd_layouts_refuse_a_torch_whose_dtensor_rng_the_replay_cannot_reproduce(monkeypatch) -> None:
+    """Before torch 2.9 DTensor's RNG tracker kept its own generator state: the N-D layout refuses by name (this
+    torch, and any newer one, is accepted)."""
+    import torch
+
+    from sdc_telemetry.parallel import mesh
+
+    mesh.check_torch()  # the torch under test
+    mesh.check_torch("2.9.0")
+    mesh.check_torch("2.13.0+cu128")
+    for old in ("2.8.1", "2.4.0+cu121"):
+        with pytest.raises(LayoutError, match=r"torch >= 2\.9, this is " + old.replace("+", r"\+")):
+            mesh.check_torch(old)
+    monkeypatch.setattr(torch, "__version__", "2.6.0")
+    with pytest.raises(LayoutError, match="RNG tracker"):
+        mesh.MeshLayout(torch.nn.Linear(2, 2))  # refused before anything else is looked at
