@@ -115,15 +115,9 @@ def _to_host(moved: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
     """Fill the placeholders with host copies: on CUDA every copy is queued without blocking (into pinned memory)
     and the host waits once per device, so a record of M micro-batches costs one synchronisation, not one per
     tensor (``torch.save`` would copy each CUDA storage with its own blocking copy)."""
-    waits: dict[torch.device, Any] = {}
-    for slot, t in moved:
-        if t.is_cuda:
-            slot[_DEV] = t.detach().to("cpu", non_blocking=True)
-            if t.device not in waits:
-                waits[t.device] = None
-        else:  # another accelerator: a plain copy
-            slot[_DEV] = t.detach().cpu()
-    for device in waits:
+    for slot, t in moved:  # another accelerator than CUDA: a plain copy
+        slot[_DEV] = t.detach().to("cpu", non_blocking=t.is_cuda)
+    for device in {t.device for _, t in moved if t.is_cuda}:
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(torch.cuda.current_stream(device))
         event.synchronize()
