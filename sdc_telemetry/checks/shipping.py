@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import io
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,34 +49,46 @@ def _is_namedtuple(x: Any) -> bool:
 
 
 _NT = "__sdc_namedtuple__"
+_DESCEND = object()  # what a ``_map`` rule returns for a node it leaves to the walk
+
+
+def _map(x: Any, rule: Callable[[Any], Any]) -> Any:
+    """``x`` rebuilt with ``rule(node)`` in place of every node for which it returns something else than
+    ``_DESCEND``; lists, tuples, dicts and OrderedDicts are walked, any other leaf is kept as is."""
+    out = rule(x)
+    if out is not _DESCEND:
+        return out
+    if type(x) in (list, tuple):
+        return type(x)(_map(v, rule) for v in x)
+    if type(x) in (dict, OrderedDict):
+        return type(x)((k, _map(v, rule)) for k, v in x.items())
+    return x
 
 
 def _to_plain(x: Any) -> Any:
     """Namedtuples as tagged dicts (weights_only loading refuses unknown classes); everything else as is."""
-    if _is_namedtuple(x):
-        cls = type(x)
-        return {_NT: f"{cls.__module__}:{cls.__qualname__}", "values": [_to_plain(v) for v in x]}
-    if type(x) in (list, tuple):
-        return type(x)(_to_plain(v) for v in x)
-    if type(x) in (dict, OrderedDict):
-        return type(x)((k, _to_plain(v)) for k, v in x.items())
-    return x
+    def rule(node: Any) -> Any:
+        if not _is_namedtuple(node):
+            return _DESCEND
+        cls = type(node)
+        return {_NT: f"{cls.__module__}:{cls.__qualname__}", "values": [_to_plain(v) for v in node]}
+
+    return _map(x, rule)
 
 
 def _from_plain(x: Any) -> Any:
-    if type(x) is dict and _NT in x:
-        module, _, qualname = str(x[_NT]).partition(":")
+    def rule(node: Any) -> Any:
+        if not (type(node) is dict and _NT in node):
+            return _DESCEND
+        module, _, qualname = str(node[_NT]).partition(":")
         obj: Any = importlib.import_module(module)
         for part in qualname.split("."):
             obj = getattr(obj, part)
         if not (isinstance(obj, type) and issubclass(obj, tuple) and hasattr(obj, "_fields")):
-            raise TypeError(f"replay record names {x[_NT]!r}, which is not a namedtuple class on this rank")
-        return obj(*(_from_plain(v) for v in x["values"]))
-    if type(x) in (list, tuple):
-        return type(x)(_from_plain(v) for v in x)
-    if type(x) in (dict, OrderedDict):
-        return type(x)((k, _from_plain(v)) for k, v in x.items())
-    return x
+            raise TypeError(f"replay record names {node[_NT]!r}, which is not a namedtuple class on this rank")
+        return obj(*(_from_plain(v) for v in node["values"]))
+
+    return _map(x, rule)
 
 
 @dataclass
@@ -98,17 +111,16 @@ _DEV = "__sdc_device_tensor__"
 def _off_device(x: Any, moved: list[tuple[dict[str, Any], torch.Tensor]]) -> Any:
     """``x`` with every tensor that is not on the CPU replaced by a tagged placeholder ``{_DEV: None}``, collected in
     ``moved`` with its tensor: they are copied to the host all at once (``_to_host``), not one blocking copy each."""
-    if isinstance(x, torch.Tensor):
-        if x.device.type == "cpu":
-            return x
+    def rule(node: Any) -> Any:
+        if not isinstance(node, torch.Tensor):
+            return _DESCEND
+        if node.device.type == "cpu":
+            return node
         slot: dict[str, Any] = {_DEV: None}
-        moved.append((slot, x))
+        moved.append((slot, node))
         return slot
-    if type(x) in (list, tuple):
-        return type(x)(_off_device(v, moved) for v in x)
-    if type(x) in (dict, OrderedDict):
-        return type(x)((k, _off_device(v, moved)) for k, v in x.items())
-    return x
+
+    return _map(x, rule)
 
 
 def _to_host(moved: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
@@ -126,16 +138,13 @@ def _to_host(moved: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
 def _on_device(x: Any, device: torch.device) -> Any:
     """The inverse of ``_off_device`` on the receiver: tagged tensors land on ``device`` (CUDA: from pinned memory,
     without blocking), everything else as loaded."""
-    if type(x) is dict and _DEV in x and len(x) == 1 and isinstance(x[_DEV], torch.Tensor):
-        t = x[_DEV]
-        if device.type == "cuda":
-            return t.pin_memory().to(device, non_blocking=True)
-        return t.to(device)
-    if type(x) in (list, tuple):
-        return type(x)(_on_device(v, device) for v in x)
-    if type(x) in (dict, OrderedDict):
-        return type(x)((k, _on_device(v, device)) for k, v in x.items())
-    return x
+    def rule(node: Any) -> Any:
+        if not (type(node) is dict and _DEV in node and len(node) == 1 and isinstance(node[_DEV], torch.Tensor)):
+            return _DESCEND
+        t = node[_DEV]
+        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+    return _map(x, rule)
 
 
 def pack(record: dict[str, Any]) -> torch.Tensor:
