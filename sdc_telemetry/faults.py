@@ -1,7 +1,8 @@
 """Software fault injection for tests, demos and fire drills. Deterministic: the same plan hits the same bits.
 
-The injector counts optimizer steps itself (step 0 is the first step) through an optimizer post-step hook, and
-acts only on the rank it is told to. It uses public hooks only, and nothing on the detection path imports it::
+The injector counts optimizer steps itself (step 0 is the first step) through an optimizer post-step hook (a loop that
+skips an update calls ``skipped_update()``), and acts only on the rank it is told to. It uses public hooks only, and
+nothing on the detection path imports it::
 
     faults = FaultInjector(ddp_model, optimizer)
     faults.flip_weight_bit(rank=2, step=20, param="fc1.weight", index=3, bit=12)
@@ -82,6 +83,11 @@ class FaultInjector:
         self._handles = [optimizer.register_step_post_hook(self._advance)]
 
     def _advance(self, *_: Any) -> None:
+        self.step += 1
+
+    def skipped_update(self) -> None:
+        """The loop skipped ``optimizer.step()`` this step (``if step.finite:``, or a GradScaler that found an
+        overflow): count the step anyway, so that the plan's steps stay the loop's."""
         self.step += 1
 
     def _param(self, name: str | None) -> torch.nn.Parameter:

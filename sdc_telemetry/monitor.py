@@ -19,6 +19,7 @@ loss, cannot make the ranks' collectives diverge.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -163,8 +164,12 @@ class SDCMonitor:
         self._step = start_step - 1
         self._pending: Measured | None = None
         self._absent: torch.Tensor | None = None
-        # On CUDA, read healthy verdicts one step later rather than wait for the GPU (the same on every rank).
-        self._defer_verdicts = self.device.type == "cuda"
+        # verdicts="deferred": healthy verdicts are read one step later, with no host wait (the same on every rank);
+        # the previous step's record stays referenced until then, for a late triggered audit.
+        self._defer_verdicts = self.config.verdicts == "deferred"
+        if self._replay is not None:
+            self._replay.keep_previous = self._defer_verdicts
+        self._ended: Measured | None = None  # the last ended step's measurement (``step.finite`` reads it)
         self._open = False
         self._abandoned = False  # a step's block raised: the ranks' collectives can no longer be matched
         self._scaler_used = False
@@ -353,6 +358,18 @@ class SDCMonitor:
             self._replay.set_had_grad(had_grad)
         return losses
 
+    def step_finite(self, index: int) -> bool:
+        """Whether step ``index`` (the last ended one) had finite gradients on every rank, local and reduced
+        (``StepContext.finite``): the same answer on every rank, from the step's agreement. With deferred verdicts
+        on a GPU, reading it waits for that agreement (one host wait)."""
+        if self._open or self._ended is None or self._ended.step != index or index != self._step:
+            raise RuntimeError("step.finite is read after the step's `with monitor.step(...)` block ends and before "
+                               "the next step opens (it decides whether to apply this step's update)")
+        if not self.config.grad_checks:
+            raise RuntimeError("step.finite needs the gradient checks: SDCConfig(grad_checks=True)")
+        high, _ = self._ended.agreement.result()
+        return not (high[S.LOCAL_NONFINITE] or high[S.REDUCED_NONFINITE])
+
     def abandon_step(self) -> None:
         """The step's block raised on this rank: no checks (the other ranks' collectives cannot be matched)."""
         self._open = False
@@ -364,9 +381,10 @@ class SDCMonitor:
     def end_step(self) -> None:
         """The end of the step on every rank (``StepContext.end``): measure, agree, decide, respond.
 
-        On CUDA a healthy step's verdict is read one step later (the agreement's result lands in pinned memory
-        behind an event), so the CPU never waits for the GPU here; an audit step, ``verify_weights()``,
-        ``certificate()`` and ``close()`` decide at once. Every rank defers the same way, so collectives match."""
+        With ``verdicts="deferred"`` a healthy step's verdict is read one step later (on CUDA the agreement's result
+        lands in pinned memory behind an event, so the CPU never waits for the GPU here); an audit step,
+        ``verify_weights()``, ``certificate()`` and ``close()`` decide at once. Every rank defers the same way, so
+        collectives match."""
         step = self._step
         self._open = False
         self._next_step = step + 1
@@ -376,6 +394,7 @@ class SDCMonitor:
         audit = self._replay is not None and self._replay.due(step)
         deferred = self._defer_verdicts and not audit
         measured = self._measure(step, weights=weights_due, audit=audit, snapshot=deferred)
+        self._ended = measured
         previous, self._pending = self._pending, (measured if deferred else None)
         raised: SDCDetected | None = None
         if previous is not None:
@@ -425,13 +444,18 @@ class SDCMonitor:
             local = m.agreement.local()
             finding = self.sinks.guard("grad", self._grad.verdict, high, low, m.mine, (local[0], local[1], local[3]),
                                        m.norms, S.GRAD_FIELDS, bool(high[S.SCALER]))
-            now = self._triggered is not None and m.grads and not m.deferred  # the step's batch is still here
-            if now and self._triggered is not None and self._triggered.nonfinite_minority(high, low):
-                finding = self._triggered.nonfinite_audit(m.step, m.norms, finding)
-            elif now and self._outliers is not None and self._triggered is not None \
+            # Triggered audits: at once, or one step late on today's weights (deferred verdicts); the step's batch and
+            # RNG state are still referenced either way.
+            triggered = self._triggered if m.grads else None
+            if triggered is not None and triggered.nonfinite_minority(high, low):
+                finding = triggered.late_nonfinite(m.step, not math.isfinite(local[0]), m.norms, finding) \
+                    if m.deferred else triggered.nonfinite_audit(m.step, m.norms, finding)
+            elif triggered is not None and self._outliers is not None \
                     and self._outliers.observe(high, low, S.OUTLIER_FIELDS, (local[2], local[0])) \
-                    and finding is None and not m.audit and self._triggered.replayable(high, low):
-                outlier, results["replay"] = self._triggered.outlier_audit(m.step, m.norms)
+                    and finding is None and not m.audit and triggered.replayable(high, low):
+                outlier, results["replay"] = triggered.late_outlier(
+                    m.step, self._outliers.jumped((local[2], local[0])), m.norms) if m.deferred \
+                    else triggered.outlier_audit(m.step, m.norms)
                 if outlier is not None:
                     findings.append(outlier)
             results.update(self._grad.results(bool(m.mine[S.ERROR]), bool(m.mine[S.LOCAL_MEASURED]),

@@ -29,6 +29,8 @@ class StepDriver(Protocol):
 
     def end_step(self) -> None: ...
 
+    def step_finite(self, index: int) -> bool: ...
+
 
 class StepContext:
     """One optimizer step, opened by ``monitor.step(batch)``. The checks run when the block ends, on every rank,
@@ -48,6 +50,10 @@ class StepContext:
     ``scale`` multiplies the loss before backward, and ``scaler`` (a ``torch.amp.GradScaler``) scales it after
     that: the monitor applies both, so that a replay reproduces the same gradients. Pass the unscaled, undivided
     loss.
+
+    After the block, ``step.finite`` says whether the step's gradients were finite on every rank (the same answer
+    everywhere): ``if step.finite: optimizer.step()`` keeps a bad batch's NaN out of the weights, as
+    ``GradScaler.step`` does for overflows.
 
     Frameworks that run backward themselves use the same object without ``with``: ``ctx = monitor.step(batch)``,
     ``ctx.begin()``, ``ctx.record_loss(loss, scale=..., scaler=...)`` before their backward, ``ctx.end()`` once
@@ -88,6 +94,15 @@ class StepContext:
         self._active = False
         self._done = True
         self._monitor.end_step()
+
+    @property
+    def finite(self) -> bool:
+        """The step's local and reduced gradients were finite on every rank: read after the block, before the update
+        (``if step.finite: optimizer.step()``); every rank gets the same answer, so every rank skips alike. With
+        ``SDCConfig(verdicts="deferred")`` on a GPU, reading it waits for the step's agreement (one host wait)."""
+        if not self._done:
+            raise RuntimeError("step.finite is read after the step's `with monitor.step(...)` block ends")
+        return self._monitor.step_finite(self.index)
 
     def micro_batch(self, batch: Any) -> None:
         """Register the next micro-batch of this step (call before its forward pass)."""

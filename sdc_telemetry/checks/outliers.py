@@ -59,6 +59,16 @@ class OutlierTrigger:
                 out = torch.maximum(out, torch.where(q != NONE, q - med, torch.zeros_like(q)))
         return out
 
+    def jumped(self, own: tuple[float, float]) -> bool:
+        """This rank's (loss, norm) jumped by more than the trigger's factor against its own recent medians (or is
+        not finite): the rank a late audit (deferred verdicts) treats as the anomaly, not as the control."""
+        for value, hist in zip(own, self._own, strict=True):
+            q = quantize_host(value)
+            if not math.isfinite(value) or (q != NONE and len(hist) >= WARMUP
+                                            and q - statistics.median(hist) > FACTOR_Q):
+                return True
+        return False
+
     def observe(self, high: Sequence[int], low: Sequence[int], fields: tuple[int, int, int],
                 own: tuple[float, float]) -> bool:
         """Whether this step triggers (from agreed data), then fold the step into the histories.

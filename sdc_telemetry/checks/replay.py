@@ -24,9 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sdc_telemetry.checks import late
 from sdc_telemetry.checks.calibration import AUTO_FLOOR, WARMUP, Calibration, histogram, noise_median
 from sdc_telemetry.checks.pairing import Outcome, attribute, plan_pairs, plan_replica_pairs
-from sdc_telemetry.checks.recompute import Recompute, Recomputer, autocast_state, pipeline_loss, scaled
+from sdc_telemetry.checks.recompute import Recompute, Recomputer, Result, autocast_state, pipeline_loss, scaled
 from sdc_telemetry.checks.shipping import MicroBatch, check_shippable, exchange
 from sdc_telemetry.checks.sketch import delta as sketch_delta
 from sdc_telemetry.core.collective import agree, collective_device, gather_rows, sum_counts
@@ -92,6 +93,10 @@ class ReplayCheck:
         self._capturing = False
         self._hook = module.register_forward_pre_hook(self._on_forward)
         self._micro: list[MicroBatch] = []
+        self._micro_step = -1
+        # Deferred verdicts: the previous step's record stays referenced until that step is decided (a late audit).
+        self.keep_previous = False
+        self._previous: tuple[int, list[MicroBatch]] = (-1, [])
         self.errors: list[int] = []
         self.error_text = ""
 
@@ -111,12 +116,15 @@ class ReplayCheck:
         return self._every > 0 and step % self._every == 0
 
     def begin_step(self, step: int) -> None:
+        self._previous = (self._micro_step, self._micro) if self.keep_previous else (-1, [])
         self._micro = []
+        self._micro_step = step
         self._capturing = self.due(step) or self._every_step
 
     def close(self) -> None:
         self._hook.remove()
         self._micro = []
+        self._previous = (-1, [])
 
     def ready(self) -> bool:
         """This rank holds a complete record of the step being audited (every micro-batch and its loss)."""
@@ -261,6 +269,137 @@ class ReplayCheck:
             evidence["reason"] = ("one replica disagrees on several coordinates, on several hosts: the fault spreads "
                                   "through the replica's collectives, so which host computed it wrongly is not known")
         return Finding("replay", tuple(self._ranks[p] for p in suspects), evidence), measured
+
+    # -- the late audit (deferred verdicts: one step later, on today's weights; see checks/late.py) ----------------
+
+    def _take_record(self, step: int) -> list[MicroBatch]:
+        """The complete micro-batches captured for ``step`` (the previous step's, or this one's when nothing has
+        started since), released from here: a step is audited once."""
+        if self._previous[0] == step:
+            micro, self._previous = self._previous[1], (-1, [])
+        elif self._micro_step == step:
+            micro, self._micro, self._capturing = self._micro, [], False
+        else:
+            micro = []
+        return [m for m in micro if m.loss is not None and m.batch is not None]
+
+    def late_run(self, step: int, anomalous: bool, norms: torch.Tensor) -> late.LateResult:
+        """Audit ``step`` one step late, on today's weights. Every rank calls it at the same step; ``anomalous``: this
+        rank was non-finite, or an outlier, at that step; ``norms``: its recorded per-parameter local norms."""
+        self.errors, self.error_text = [], ""
+        micro = self._take_record(step)
+        scales = [m.scale for m in micro]
+        recorded = late.summary(_floats([m.loss for m in micro if m.loss is not None]), scales,
+                                norms.detach().double().cpu().tolist())
+        now: Result | None = None
+        if self._lockstep is None or self._recomputable({"micro": micro}):
+            try:
+                if not micro:
+                    raise RuntimeError(f"this rank holds no complete record of step {step}")
+                now = self._recomputer.run(micro)  # its own record, on today's weights
+            except Exception as e:  # noqa: BLE001 - told to every rank through the gather below
+                self.error_text = f"{type(e).__name__}: {e}"
+        current = late.summary(now.losses, scales, now.norms.double().cpu().tolist()) if now is not None \
+            else (math.nan, math.nan)
+        move = late.distance(recorded, current) if now is not None and not anomalous else math.nan
+        unusable = now is not None and not anomalous and not all(math.isfinite(x) for x in current)
+        rows = gather_rows(torch.tensor([int(now is None), int(anomalous), int(unusable),
+                                         bits(move) if math.isfinite(move) else -1], dtype=torch.int64),
+                           self._group, self._wire)  # a triggered audit is the rare path: per-rank rows are fine
+        self._collect_errors([[0, 0, 0, r[0]] for r in rows])
+        flagged = [p for p, r in enumerate(rows) if r[1]]
+        named = tuple(self._ranks[p] for p in flagged)
+        if self.errors:
+            return late.LateResult("error", anomalous=named, evidence={
+                "reason": f"rerunning the step on today's weights failed on ranks {self.errors[:16]}"})
+        if any(r[2] for r in rows):
+            return late.LateResult("undecided", anomalous=named, evidence={
+                "reason": "today's weights give non-finite values on ranks that were healthy at that step (its "
+                          "non-finite update was applied), so the step cannot be replayed; skip such updates with "
+                          "`if step.finite: optimizer.step()`"})
+        band = max((unbits(r[3]) for r in rows if r[3] >= 0), default=0.0)
+        if band > late.MAX_BAND or not flagged:
+            return late.LateResult("undecided", anomalous=named, evidence={
+                "band_doublings": round(band, 4),
+                "reason": "no rank holds the anomaly on its own record" if not flagged else
+                          f"one update moved the healthy ranks' loss or gradient norm by {band:.2f} doublings: too "
+                          "far for a replay one step late to tell data from hardware"})
+        assert now is not None
+        mine = {"micro": micro, "fp": None, "norms": norms.detach().float().cpu(), "extra": {
+            "recorded": list(recorded), "now": [float(x) for x in now.losses], "now_fp": now.fp,
+            "now_norms": now.norms.detach().float().cpu()}}
+        shift = self._pairs.shifts[self._audits % len(self._pairs.shifts)]
+        outcome = self._late_round(shift, mine, band, set(flagged))
+        if self.errors:
+            return late.LateResult("error", anomalous=named, evidence={
+                "reason": f"recomputing a partner's record failed on ranks {self.errors[:16]}"})
+        persistent = {o for o, (c, same, _) in outcome.items() if c == late.GONE and not same}
+        referee: dict[int, bool] = {}
+        others = [s for s in (*self._pairs.shifts, *range(1, self._replica_count)) if s != shift]
+        if persistent and self._replica_count >= 3 and others:
+            second = self._late_round(others[0], mine, band, persistent)
+            referee = {o: not same for o, (_, same, _) in second.items()}
+            if self.errors:
+                referee = {}
+                self.errors = []
+        result = late.decide(flagged, outcome, referee, band, self._hosts, self._ranks)
+        result.evidence["mismatching_pairs"] = [
+            {"replayer": self._ranks[self._pairs.replayer(o, shift)], "origin": self._ranks[o]}
+            for o, (c, _, _) in sorted(outcome.items()) if c == late.GONE][:MAX_ITEMS]
+        return result
+
+    def _late_round(self, shift: int, mine: dict[str, Any], band: float, origins: set[int]
+                    ) -> dict[int, tuple[int, bool, float]]:
+        """Each replayer whose origin is in ``origins`` (positions) recomputes the origin's record on today's weights
+        (in lockstep layouts every replayer does, so that their collectives line up); gathered outcomes per origin."""
+        origin = self._pairs.origin(self._pos, shift)
+        theirs = self._exchange(mine, send_to=self._pairs.replayer(self._pos, shift), recv_from=origin)
+        row = [late.REPRODUCED, 1, -1, 0]
+        if origin in origins or self._lockstep is not None:
+            if self._lockstep is not None and not self._recomputable(theirs):
+                row = [late.UNCLEAR, 0, -1, 1]
+            else:
+                row = self._late_compare(theirs, band)
+        rows = gather_rows(torch.tensor(row, dtype=torch.int64), self._group, self._wire)
+        self._collect_errors(rows)
+        out = {}
+        for p, r in enumerate(rows):
+            o = self._pairs.origin(p, shift)
+            if o in origins and not r[3]:
+                out[o] = (int(r[0]), bool(r[1]), unbits(r[2]) if r[2] >= 0 else math.inf)
+        return out
+
+    def _late_compare(self, record: dict[str, Any] | None, band: float) -> list[int]:
+        """[class, the origin's rerun today agrees with this one, distance bits (-1: infinite), error]."""
+        try:
+            if record is None or not record["micro"]:
+                raise RuntimeError("no replay record received from the origin rank")
+            micro: list[MicroBatch] = record["micro"]
+            result = self._recomputer.run(micro)
+            got = late.summary(result.losses, [m.scale for m in micro], result.norms.double().cpu().tolist())
+            extra = record["extra"]
+            dist = late.distance((extra["recorded"][0], extra["recorded"][1]), got)
+            same = self._same_result(result, extra["now"], extra["now_fp"], extra["now_norms"])
+            return [late.classify(dist, band), int(same), bits(dist) if math.isfinite(dist) else -1, 0]
+        except Exception as e:  # noqa: BLE001 - reported to every rank through the gather
+            self.error_text = f"{type(e).__name__}: {e}"
+            return [late.UNCLEAR, 0, -1, 1]
+
+    def _same_result(self, result: Result, losses: Sequence[float], fp: int, norms: torch.Tensor) -> bool:
+        """Two recomputations of one record on the same weights agree: bit for bit in exact mode, else within the
+        tolerance (non-finite values alike)."""
+        if self.mode == "exact":
+            return result.fp == fp and all(_same_bits(a, b) for a, b in zip(result.losses, losses, strict=True))
+        got, ref = result.norms.double().cpu(), norms.double()
+        if not torch.equal(torch.isfinite(got), torch.isfinite(ref)) or \
+                any(math.isfinite(a) != math.isfinite(b) for a, b in zip(result.losses, losses, strict=True)):
+            return False
+        finite = torch.isfinite(ref)
+        grad = float(torch.linalg.vector_norm(got[finite] - ref[finite])
+                     / max(float(torch.linalg.vector_norm(ref[finite])), 1e-30))
+        loss = max((_rel(a, b) for a, b in zip(result.losses, losses, strict=True) if math.isfinite(a)), default=0.0)
+        limit = max(self.tolerance, AUTO_FLOOR)
+        return loss <= limit and grad <= limit
 
     def _cross_round(self, shift: int, mine: dict[str, Any], calibrate: bool = False
                      ) -> tuple[list[tuple[int, int]], Measurement | None]:

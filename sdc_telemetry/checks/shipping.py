@@ -158,10 +158,11 @@ def pack(record: dict[str, Any]) -> torch.Tensor:
                         moved)
     _to_host(moved)
     plain = {
-        "fp": record["fp"],
+        "fp": record.get("fp"),
         "norms": _cpu(record["norms"]),
         "sketch": _cpu(record.get("sketch")),
         "micro": micro,
+        "extra": record.get("extra"),  # plain values (numbers, lists, CPU tensors) a protocol adds: a late audit's
     }
     buf = io.BytesIO()
     torch.save(plain, buf)
@@ -184,7 +185,7 @@ def unpack(data: torch.Tensor, device: torch.device) -> dict[str, Any]:
                                                                       getattr(torch, m["autocast"][1])),
                          scale=m["scale"], loss=m["loss"]) for m in plain["micro"]]
     sk = plain.get("sketch")
-    return {"fp": plain["fp"], "norms": plain["norms"], "sketch": sk, "micro": micro}
+    return {"fp": plain["fp"], "norms": plain["norms"], "sketch": sk, "micro": micro, "extra": plain.get("extra")}
 
 
 def exchange(mine: dict[str, Any], send_to: int, recv_from: int, group: Any, wire: torch.device,

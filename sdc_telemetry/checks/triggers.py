@@ -8,14 +8,20 @@ values alike on both sides counting as agreement) then says which it was: the pa
 micro-batch gets the same result (data: a NaN in the batch, a heavy batch, an overflow it provokes; a numerics
 event with ``evidence["verdict"] == "data"``, never a suspect), or it does not (hardware: the replay's attribution,
 transient or persistent, in the incident of the check that triggered the audit).
+
+With ``verdicts="deferred"`` the same triggers are read one step late, after the step's update moved the weights:
+``late_nonfinite`` and ``late_outlier`` replay the step then (``ReplayCheck.late_run``, ``checks/late.py``: the
+anomaly is compared, not the bits), and what that cannot decide is an ambiguous warning, never a hardware page.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
+from sdc_telemetry.checks.late import LateResult
 from sdc_telemetry.checks.replay import ReplayCheck
 from sdc_telemetry.core import status as S
 from sdc_telemetry.core.findings import Finding
@@ -89,3 +95,69 @@ class TriggeredAudits:
                                                     "recomputing its micro-batch got the same: the data, not the "
                                                     "hardware"}), "pass"
         return Finding("replay", replayed.suspect_ranks, {**replayed.evidence, "triggered_audit": audit}), "fail"
+
+    # -- one step late (verdicts="deferred") -----------------------------------------------------------------------
+
+    def _late(self, step: int, trigger: str, anomalous: bool, norms: torch.Tensor
+              ) -> tuple[LateResult, dict[str, Any]]:
+        result = self._replay.late_run(step, anomalous, norms)
+        if result.verdict == "error":
+            self._warn("late-error", f"step {step}: the late triggered audit failed: {result.evidence['reason']}"
+                       + (f" (here: {self._replay.error_text})" if self._replay.error_text else ""))
+        audit = {"trigger": trigger, "replayed": result.verdict in ("data", "hardware"), "late": True,
+                 "weights": "one update later", **{k: v for k, v in result.evidence.items() if k in (
+                     "band_doublings", "distance_doublings", "reason", "mismatching_pairs")}}
+        return result, audit
+
+    def late_nonfinite(self, step: int, anomalous: bool, norms: torch.Tensor, finding: Finding | None
+                       ) -> Finding | None:
+        """A minority of ranks was non-finite at ``step``, read one step late: partners recompute those ranks'
+        micro-batches on today's weights. The same non-finite result is data; finite is the rank's hardware; a step
+        that cannot be replayed (its non-finite update was applied, or the rerun failed) leaves the gradient verdict
+        standing, ambiguous: a warning, never a page."""
+        result, audit = self._late(step, "nonfinite_minority", anomalous, norms)
+        base = dict(finding.evidence) if finding is not None else {}
+        if result.verdict == "data":
+            return Finding("grad_local", (), {
+                **{k: v for k, v in base.items() if k in ("nonfinite_ranks", "ranks")}, "verdict": "data",
+                "reason": "a partner recomputing the same micro-batch one update later gets the same non-finite "
+                          "result: the data (a bad sample, an overflow it provokes), not the hardware",
+                "triggered_audit": audit})
+        if result.verdict == "hardware":
+            ev = result.evidence
+            reason = ("a partner recomputing the same micro-batch one update later gets finite gradients: this "
+                      "rank's computation made the non-finite values")
+            if ev["ambiguous"]:
+                reason += " (" + ev["reason"].rpartition("; ")[2] + ")"
+            return Finding("grad_local", result.suspects, {
+                **{k: v for k, v in base.items() if k not in ("verdict", "ambiguous", "reason")},
+                "verdict": ev["verdict"], "ambiguous": ev["ambiguous"], "reason": reason,
+                "reproduced_own_result": ev["reproduced_own_result"], "triggered_audit": audit})
+        if finding is None or not finding.suspect_ranks:
+            return finding  # a numerics event (an overflow a GradScaler expects) stays one
+        return Finding(finding.check, finding.suspect_ranks, {
+            **base, "ambiguous": True, "triggered_audit": audit,
+            "reason": "the late replay could not decide data from hardware: " + str(audit.get("reason", ""))})
+
+    def late_outlier(self, step: int, anomalous: bool, norms: torch.Tensor) -> tuple[Finding | None, str]:
+        """A rank's loss or gradient norm was an outlier at ``step``, read one step late: partners recompute its
+        micro-batches on today's weights. Reproduced is data, gone is hardware, anything else an ambiguous warning
+        naming the outlier ranks. Returns the finding and this rank's replay result."""
+        result, audit = self._late(step, "outlier", anomalous, norms)
+        if result.verdict == "error":
+            return None, "error" if self._rank in self._replay.errors else "skipped"
+        if result.verdict == "data":
+            return Finding("replay", (), {"verdict": "data", "triggered_audit": audit,
+                                          "reason": "a rank's loss or gradient norm was an outlier and a partner "
+                                                    "recomputing its micro-batch one update later got the same: the "
+                                                    "data, not the hardware"}), "pass"
+        if result.verdict == "hardware":
+            ev = result.evidence
+            return Finding("replay", result.suspects, {
+                "verdict": ev["verdict"], "ambiguous": ev["ambiguous"], "reason": ev["reason"],
+                "reproduced_own_result": ev["reproduced_own_result"], "triggered_audit": audit}), "fail"
+        if not result.anomalous:
+            return None, "skipped"
+        return Finding("replay", result.anomalous, {
+            "verdict": "undecided", "ambiguous": True, "triggered_audit": audit,
+            "reason": "the late replay could not decide data from hardware: " + str(audit.get("reason", ""))}), "fail"

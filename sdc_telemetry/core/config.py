@@ -16,6 +16,7 @@ DEFAULT_METRICS_PORT = 9860
 
 Mode = Literal["auto", "exact", "tolerance"]
 Action = Literal["record", "raise"]
+Verdicts = Literal["immediate", "deferred"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +47,11 @@ class SDCConfig:
       loss or gradient norm is an outlier against the others and its own history), so that a partner recomputing
       the same micro-batch tells data (it gets the same) from hardware (it does not). Needs ``loss_fn``; the step's
       batch and RNG state are kept every step (references).
+    - ``verdicts``: ``"immediate"`` (the default, on every device) decides each step at the end of its block, before
+      ``optimizer.step()``: on a GPU that is one host wait per step, for the step's fixed-size agreement.
+      ``"deferred"`` reads a healthy step's verdict one step later with no host wait; an anomaly seen that late is
+      replayed then on today's weights (the step's batch and RNG state are still referenced), and what that replay
+      cannot decide is an ambiguous warning, never a page naming hardware.
     """
 
     weights_every: int = 1
@@ -62,6 +68,7 @@ class SDCConfig:
     job_name: str = "training"
     alertmanager_url: str | None = None
     trigger_audits: bool = True
+    verdicts: Verdicts = "immediate"
 
     def __post_init__(self) -> None:
         for name in ("weights_every", "replay_every"):
@@ -76,6 +83,8 @@ class SDCConfig:
         tol = self.tolerance
         if tol != "auto" and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < 1):
             raise ValueError(f"SDCConfig.tolerance must be 'auto' or a relative threshold in (0, 1), got {tol!r}")
+        if self.verdicts not in ("immediate", "deferred"):
+            raise ValueError(f"SDCConfig.verdicts must be 'immediate' or 'deferred', got {self.verdicts!r}")
         if self.on_suspect not in ("record", "raise"):
             raise ValueError(f"SDCConfig.on_suspect must be 'record' or 'raise', got {self.on_suspect!r}")
         port = self.metrics_port

@@ -25,7 +25,7 @@ log = logging.getLogger("sdc_telemetry")
 
 # The SDCConfig fields that decide what is checked, when, and how verdicts are reached.
 DETECTION_FIELDS = ("weights_every", "replay_every", "grad_checks", "mode", "tolerance", "on_suspect",
-                    "trigger_audits")
+                    "trigger_audits", "verdicts")
 
 
 def _hash64(text: str) -> int:

@@ -73,6 +73,9 @@ def run_one(rank: int, shape: tuple[int, ...], sc: dict[str, Any]) -> dict[str, 
         if monitor is not None:
             with monitor.step(batch) as st:
                 st.backward(loss_fn(model, batch))
+            if sc.get("guard") and not st.finite:  # the documented guard: no update from non-finite gradients
+                opt.zero_grad()
+                continue
         else:
             loss_fn(model, batch).backward()
         opt.step()

@@ -176,8 +176,6 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
         torch.backends.cudnn.benchmark = benchmark_before
     if sc.get("watch_state"):
         opt.register_step_pre_hook(lambda *_: undisturbed.append(_same_state(snapshots[-1], _state(net))))
-    if sc.get("defer"):  # the CUDA policy (verdicts read one step later), exercised on CPU ranks
-        monitor._defer_verdicts = True
     gathers = [0]
     if monitor._weights is not None:  # counts the rare-path gathers of every rank's fingerprint table
         real_gather = monitor._weights.gather
@@ -214,6 +212,7 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
     autocast = sc.get("autocast", False)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if sc.get("scaler") else None
     verified: list[Any] = []
+    skipped: list[int] = []
     start = time.monotonic()
     try:
         for k in range(start_step, start_step + sc.get("steps", 8)):
@@ -258,10 +257,16 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
             if sc.get("clip"):
                 torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
             if scaler is not None:
+                before = scaler.get_scale()
                 scaler.step(opt)
                 scaler.update()
-            else:
+                if scaler.get_scale() < before:  # it found an overflow and skipped the update
+                    faults.skipped_update()
+            elif not sc.get("guard") or step.finite:  # the documented guard: no update from non-finite gradients
                 opt.step()
+            else:
+                skipped.append(k)
+                faults.skipped_update()
             opt.zero_grad(set_to_none=sc.get("set_to_none", True))
             swap = sc.get("swap_after")
             if swap and swap["step"] == k:  # corrupt right after the update, then ask before "saving"
@@ -298,7 +303,17 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
         "steps_reported": [r.step for r in recorder.reports if r.counts_step] if recorder else [],
         "durations": [r.durations for r in recorder.reports] if recorder else [],
         "gathers": gathers[0],
+        "skipped_updates": skipped,
+        "weights_finite": all(bool(torch.isfinite(p).all()) for p in net.parameters()),
     }
+
+
+VERDICTS = ("immediate", "deferred")
+
+
+def on_path(scenarios: list[dict[str, Any]], verdicts: str) -> list[dict[str, Any]]:
+    """The scenarios with ``SDCConfig(verdicts=...)`` set, so that one fixture runs them on either verdict path."""
+    return [{**sc, "config": {**sc.get("config", {}), "verdicts": verdicts}} for sc in scenarios]
 
 
 def run_scenarios(rank: int, world: int, scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ import torch
 
 from sdc_telemetry.testing import spawn_ranks
 
-from ._scenarios import run_scenarios
+from ._scenarios import VERDICTS, on_path, run_scenarios
 
 NAN = math.nan
 
@@ -50,12 +50,13 @@ def _faults(world: int, bad: int) -> list[dict[str, Any]]:
     ]
 
 
+@pytest.mark.parametrize("verdicts", VERDICTS)
 @pytest.mark.parametrize("world,bad", [(4, 2), (3, 1)])
-def test_each_fault_is_caught_at_its_step_naming_the_rank(world: int, bad: int, tmp_path: Path) -> None:
+def test_each_fault_is_caught_at_its_step_naming_the_rank(world: int, bad: int, verdicts: str, tmp_path: Path) -> None:
     """Bit flip -> weights, NaN local grad -> grad_local, corrupted reduced grad -> grad_reduced, compute -> replay,
-    and on_suspect=raise stops every rank at the same step."""
+    and on_suspect=raise stops every rank at the same step; decided before the update or read one step later."""
     hosts = [f"node-{r // 2}" for r in range(world)]
-    scenarios = _faults(world, bad)
+    scenarios = on_path(_faults(world, bad), verdicts)
     scenarios[0]["config"] = {**scenarios[0]["config"], "incident_dir": str(tmp_path)}
     results = spawn_ranks(run_scenarios, world, (scenarios,), timeout=180, rank_env=_hosts(hosts))
     by_scenario = list(zip(*results, strict=True))
@@ -86,16 +87,17 @@ def test_each_fault_is_caught_at_its_step_naming_the_rank(world: int, bad: int, 
     assert len(records) == len(bitflip[0]["incidents"])  # one writer: each incident once
 
 
-def test_two_replicas_separate_transient_from_persistent_compute_faults() -> None:
+@pytest.mark.parametrize("verdicts", VERDICTS)
+def test_two_replicas_separate_transient_from_persistent_compute_faults(verdicts: str) -> None:
     """World 2: a fault the rank cannot reproduce names it; a reproducible one is ambiguous and names both."""
-    scenarios = [
+    scenarios = on_path([
         {"config": {"replay_every": 2}, "steps": 5,
          "fault": {"kind": "perturb_output", "rank": 1, "step": 2, "module": "act", "relative": 1e-3,
                    "transient": True}},
         {"config": {"replay_every": 2}, "steps": 3,
          "fault": {"kind": "perturb_output", "rank": 0, "step": 2, "module": "act", "relative": 1e-3}},
         {"config": {"replay_every": 2}, "bad_batch": True},
-    ]
+    ], verdicts)
     transient, persistent, bad_batch = zip(*spawn_ranks(run_scenarios, 2, (scenarios,), timeout=120), strict=True)
     _assert_collective(list(transient))
     _assert_collective(list(persistent))
@@ -188,13 +190,16 @@ def test_healthy_long_run_replay_tolerance_accumulation_and_no_side_effects() ->
         {"unmonitored": True, "steps": 12, "seed": 3},
         {"config": {"replay_every": 2, "weights_every": 1}, "steps": 12, "seed": 3, "plain_hook": True},
         {"config": {"replay_every": 0, "weights_every": 1}, "steps": 12, "seed": 3, "plain_hook": True},
+        {"config": {"replay_every": 0, "weights_every": 1, "verdicts": "deferred"}, "steps": 12, "seed": 3,
+         "plain_hook": True, "loss_always": True},
         # gradient_as_bucket_view with gradients kept between steps: DDP divides in place from the second step on.
         {"unmonitored": True, "steps": 12, "seed": 3, "bucket_view": True, "set_to_none": False},
         {"config": {"replay_every": 2, "weights_every": 1}, "steps": 12, "seed": 3, "plain_hook": True,
          "bucket_view": True, "set_to_none": False},
     ]
     (healthy, small, large, accum, accum_fault, replay_on, replay_off, plain, monitored, monitored_no_replay,
-     plain_view, monitored_view) = zip(*spawn_ranks(run_scenarios, 3, (scenarios,), timeout=300), strict=True)
+     monitored_deferred, plain_view, monitored_view) = zip(*spawn_ranks(run_scenarios, 3, (scenarios,), timeout=300),
+                                                           strict=True)
     assert all(not r["incidents"] for r in healthy)
     assert all(not r["incidents"] for r in small)
     assert _verdicts(large[0])[0] == (2, "replay", (2,), False)
@@ -204,7 +209,7 @@ def test_healthy_long_run_replay_tolerance_accumulation_and_no_side_effects() ->
         assert not on["incidents"] and not off["incidents"]
         assert on["undisturbed"] and all(on["undisturbed"])
         assert all(torch.equal(on["weights"][n], off["weights"][n]) for n in on["weights"])
-    for ref, runs in ((plain, (monitored, monitored_no_replay)), (plain_view, (monitored_view,))):
+    for ref, runs in ((plain, (monitored, monitored_no_replay, monitored_deferred)), (plain_view, (monitored_view,))):
         for rank, expected in enumerate(ref):
             for run in runs:
                 got = run[rank]

@@ -9,6 +9,7 @@ import pytest
 from sdc_telemetry.testing import spawn_ranks
 
 from ._cp_runs import run_cp
+from ._scenarios import VERDICTS, on_path
 
 SCENARIOS = {
     "healthy": {"config": {"replay_every": 2}, "steps": 4},
@@ -17,10 +18,10 @@ SCENARIOS = {
 }
 
 
-@pytest.fixture(scope="module")
-def cp() -> dict[str, Any]:
-    """One spawn of 4 ranks on a (dp_shard 2, cp 2) mesh running both scenarios."""
-    results = spawn_ranks(run_cp, 4, (list(SCENARIOS.values()),), timeout=500)
+@pytest.fixture(scope="module", params=VERDICTS)
+def cp(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """One spawn of 4 ranks on a (dp_shard 2, cp 2) mesh running both scenarios, once per verdict path."""
+    results = spawn_ranks(run_cp, 4, (on_path(list(SCENARIOS.values()), request.param),), timeout=500)
     return dict(zip(SCENARIOS, zip(*results, strict=True), strict=True))
 
 

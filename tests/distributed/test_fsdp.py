@@ -10,11 +10,12 @@ import torch
 from sdc_telemetry.testing import spawn_ranks
 
 from ._fsdp import run_fsdp
+from ._scenarios import VERDICTS, on_path
 
 HSDP = {
     "flip": {"config": {"replay_every": 0}, "steps": 5,
              "flip": {"rank": 3, "step": 3, "param": "l2.weight", "index": 7, "bit": 12}},
-    "nan": {"config": {"replay_every": 0}, "steps": 4, "nan": {"rank": 4, "step": 2}},
+    "nan": {"config": {"replay_every": 0}, "steps": 4, "nan": {"rank": 4, "step": 2}, "guard": True},
     "compute": {"config": {"replay_every": 3}, "steps": 5,
                 "perturb": {"rank": 1, "step": 1, "module": "l2", "relative": 1e-3}},
     "healthy": {"config": {"replay_every": 3}, "steps": 30},
@@ -23,10 +24,10 @@ HSDP = {
 }
 
 
-@pytest.fixture(scope="module")
-def hsdp() -> dict[str, Any]:
-    """One spawn of 6 ranks on a (3 replicas, 2 shards) mesh running every HSDP scenario."""
-    results = spawn_ranks(run_fsdp, 6, ((3, 2), list(HSDP.values())), timeout=600)
+@pytest.fixture(scope="module", params=VERDICTS)
+def hsdp(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """One spawn of 6 ranks on a (3 replicas, 2 shards) mesh running every HSDP scenario, once per verdict path."""
+    results = spawn_ranks(run_fsdp, 6, ((3, 2), on_path(list(HSDP.values()), request.param)), timeout=600)
     return dict(zip(HSDP, zip(*results, strict=True), strict=True))
 
 

@@ -9,6 +9,7 @@ import pytest
 from sdc_telemetry.testing import spawn_ranks
 
 from ._nd import run_nd
+from ._scenarios import VERDICTS, on_path
 
 HSDP_TP = ((2, 2, 2), ("dp_replicate", "dp_shard", "tp"))
 HSDP_TP_SCENARIOS = {
@@ -31,17 +32,20 @@ SMALL_SCENARIOS = {
 }
 
 
-@pytest.fixture(scope="module")
-def hsdp_tp() -> dict[str, Any]:
-    """One spawn of 8 ranks on a (dp_replicate 2, dp_shard 2, tp 2) mesh running every scenario."""
-    results = spawn_ranks(run_nd, 8, (*HSDP_TP, list(HSDP_TP_SCENARIOS.values())), timeout=600)
+@pytest.fixture(scope="module", params=VERDICTS)
+def hsdp_tp(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """One spawn of 8 ranks on a (dp_replicate 2, dp_shard 2, tp 2) mesh running every scenario, once per verdict
+    path."""
+    scenarios = on_path(list(HSDP_TP_SCENARIOS.values()), request.param)
+    results = spawn_ranks(run_nd, 8, (*HSDP_TP, scenarios), timeout=600)
     return dict(zip(HSDP_TP_SCENARIOS, zip(*results, strict=True), strict=True))
 
 
-@pytest.fixture(scope="module")
-def small() -> dict[str, Any]:
-    """One spawn of 4 ranks: the same N-D layout with one replica, and FSDP x TP with an explicit mesh."""
-    results = spawn_ranks(run_nd, 4, (*SMALL, list(SMALL_SCENARIOS.values())), timeout=400)
+@pytest.fixture(scope="module", params=VERDICTS)
+def small(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """One spawn of 4 ranks: the same N-D layout with one replica, and FSDP x TP with an explicit mesh, once per
+    verdict path."""
+    results = spawn_ranks(run_nd, 4, (*SMALL, on_path(list(SMALL_SCENARIOS.values()), request.param)), timeout=400)
     return dict(zip(SMALL_SCENARIOS, zip(*results, strict=True), strict=True))
 
 

@@ -9,6 +9,7 @@ import pytest
 from sdc_telemetry.testing import spawn_ranks
 
 from ._pp import run_pp
+from ._scenarios import VERDICTS, on_path
 
 SCENARIOS = {
     "healthy": {"config": {"replay_every": 2}, "steps": 5},
@@ -23,10 +24,11 @@ SCENARIOS = {
 }
 
 
-@pytest.fixture(scope="module")
-def pp() -> dict[str, Any]:
-    """One spawn of 6 ranks: 2 pipeline stages x 3 data-parallel replicas, every scenario in turn."""
-    results = spawn_ranks(run_pp, 6, (list(SCENARIOS.values()),), timeout=600)
+@pytest.fixture(scope="module", params=VERDICTS)
+def pp(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """One spawn of 6 ranks: 2 pipeline stages x 3 data-parallel replicas, every scenario in turn, once per verdict
+    path."""
+    results = spawn_ranks(run_pp, 6, (on_path(list(SCENARIOS.values()), request.param),), timeout=600)
     return dict(zip(SCENARIOS, zip(*results, strict=True), strict=True))
 
 

@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 import pytest
+import torch
 
 from sdc_telemetry.testing import spawn_ranks
 
@@ -21,9 +22,12 @@ def _same_everywhere(per_rank: tuple[dict[str, Any], ...]) -> None:
     assert all(_verdicts(r) == _verdicts(per_rank[0]) for r in per_rank)
 
 
-@pytest.fixture(scope="module")
-def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One spawn of 3 ranks (2 hosts) running every trust scenario in a row."""
+@pytest.fixture(scope="module", params=["immediate", "deferred"])
+def three_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One spawn of 3 ranks (2 hosts) running every trust scenario in a row, once per verdict path: decided before
+    the update (``verdicts="immediate"``), and read one step later (``"deferred"``, what GPUs chose before)."""
+    verdicts = request.param
+    deferred = verdicts == "deferred"
     incident_dir = tmp_path_factory.mktemp("incidents")
     flip = {"kind": "flip_weight_bit", "rank": 1, "step": 3, "param": "fc1.weight", "index": 5, "bit": 9}
     scenarios: dict[str, dict[str, Any]] = {
@@ -32,11 +36,20 @@ def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "persistent": {"config": {"replay_every": 0, "incident_dir": str(incident_dir)}, "steps": 40,
                        "fault": flip},
         # Triggered audits (replay_every=0: no scheduled audit, only the trigger): data or hardware?
+        # Deferred verdicts replay a step after its update: the loop follows the documented guard (`if step.finite:
+        # optimizer.step()`), so that a non-finite update never poisons the weights the late replay runs on.
         "data_nan": {"config": {"replay_every": 0, "on_suspect": "raise"}, "steps": 5, "loss_always": True,
-                     "nan_rank_at": {"rank": 1, "step": 2}},
+                     "nan_rank_at": {"rank": 1, "step": 2}, "guard": deferred},
+        "data_nan_guarded": {"config": {"replay_every": 0, "on_suspect": "raise"}, "steps": 5, "loss_always": True,
+                             "nan_rank_at": {"rank": 1, "step": 2}, "guard": True},
+        "data_nan_unguarded": {"config": {"replay_every": 0}, "steps": 5, "loss_always": True,
+                               "nan_rank_at": {"rank": 1, "step": 2}},
+        "hw_nan_unguarded": {"config": {"replay_every": 0}, "steps": 5, "loss_always": True,
+                             "fault": {"kind": "nonfinite_grad", "rank": 2, "step": 2, "param": "fc1.weight",
+                                       "index": 4}},
         "data_nan_scaler": {"config": {"replay_every": 0, "on_suspect": "raise"}, "steps": 5, "loss_always": True,
                             "scaler": True, "nan_rank_at": {"rank": 1, "step": 2}},
-        "hw_nan": {"config": {"replay_every": 0}, "steps": 5, "loss_always": True,
+        "hw_nan": {"config": {"replay_every": 0}, "steps": 5, "loss_always": True, "guard": deferred,
                    "fault": {"kind": "nonfinite_grad", "rank": 2, "step": 2, "param": "fc1.weight", "index": 4}},
         "hw_nan_scaler": {"config": {"replay_every": 0, "on_suspect": "raise"}, "steps": 5, "loss_always": True,
                           "scaler": True,
@@ -72,18 +85,19 @@ def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                    "fault": {**flip, "step": 105}},
         "clipped_nan": {"config": {"replay_every": 0}, "steps": 3, "clip": True,
                         "fault": {"kind": "nonfinite_grad", "rank": 0, "step": 1, "param": "fc2.weight", "index": 3}},
-        "deferred_raise": {"config": {"replay_every": 4, "on_suspect": "raise"}, "steps": 8, "defer": True,
-                           "fault": flip},
-        "deferred_record": {"config": {"replay_every": 4}, "steps": 4, "defer": True,
-                            "fault": {**flip, "step": 3}},
+        "flip_raise": {"config": {"replay_every": 4, "on_suspect": "raise"}, "steps": 8, "fault": flip},
+        "flip_last_step": {"config": {"replay_every": 4}, "steps": 4, "fault": {**flip, "step": 3}},
         "nested": {"nested": True},
         "bad_dir": {"config": {"incident_dir": "/proc/no-such-dir/x"}},
     }
+    for sc in scenarios.values():
+        sc["config"] = {**sc.get("config", {}), "verdicts": verdicts}
     hosts = ["node-a", "node-a", "node-b"]
     results = spawn_ranks(run_scenarios, 3, (list(scenarios.values()),), timeout=600,
                           rank_env=lambda r: {"SDC_HOST_NAME": hosts[r], "LOCAL_RANK": str(r % 2)})
     by_name = dict(zip(scenarios, zip(*results, strict=True), strict=True))
     by_name["incident_dir"] = incident_dir
+    by_name["verdicts"] = verdicts
     return by_name
 
 
@@ -224,15 +238,46 @@ def test_misuse_gets_clear_errors_on_every_rank(three_ranks: dict[str, Any]) -> 
     assert all("incident_dir" in r["error"] and "every rank" in r["error"] for r in three_ranks["bad_dir"])
 
 
-def test_deferred_verdicts_report_the_measured_step_one_step_later(three_ranks: dict[str, Any]) -> None:
-    """The CUDA policy on CPU ranks: a verdict is read at the end of the next step (or at an audit, or at close)
-    and still names the step it was measured in, on every rank."""
-    for r in three_ranks["deferred_raise"]:
-        assert (r["raised_at"], r["stopped_in_step"]) == (3, 4)
-    record = three_ranks["deferred_record"]
+def test_a_verdict_names_the_measured_step_on_either_path(three_ranks: dict[str, Any]) -> None:
+    """Immediate verdicts stop in the step that found the fault; deferred ones at the end of the next step (or at an
+    audit, or at close), still naming the step it was measured in, on every rank."""
+    late = three_ranks["verdicts"] == "deferred"
+    for r in three_ranks["flip_raise"]:
+        assert (r["raised_at"], r["stopped_in_step"]) == (3, 4 if late else 3)
+    record = three_ranks["flip_last_step"]
     _same_everywhere(record)
-    assert _verdicts(record[0]) == [(3, "weights", (1,))]  # the last step's verdict was settled by close()
+    assert _verdicts(record[0]) == [(3, "weights", (1,))]  # deferred: the last step's verdict was settled by close()
     assert record[0]["steps_reported"] == [0, 1, 2, 3]
+
+
+def test_the_guard_keeps_a_data_nan_out_of_the_weights(three_ranks: dict[str, Any]) -> None:
+    """`if step.finite: optimizer.step()`: every rank skips the update of the step with one rank's NaN batch (the same
+    answer everywhere), so the weights stay finite and identical; without the guard the NaN reaches every replica."""
+    guarded = three_ranks["data_nan_guarded"]
+    for r in guarded:
+        assert r["skipped_updates"] == [2] and r["weights_finite"] and r["raised_at"] is None
+        assert all(torch.equal(r["weights"][n], guarded[0]["weights"][n]) for n in r["weights"])
+        assert r["counts"]["grad_local"].get("pass", 0) >= 4 and not r["errors"]
+    assert not any(r["weights_finite"] for r in three_ranks["data_nan_unguarded"])
+
+
+def test_without_the_guard_a_late_replay_never_pages_what_it_cannot_decide(three_ranks: dict[str, Any]) -> None:
+    """No guard: the NaN update reaches every replica before a deferred verdict is read, so the late replay has no
+    finite weights to run on. A NaN in one rank's batch, or one rank's NaN, is then at most an ambiguous warning
+    naming that rank, never a page; decided before the update, the first is data and the second names the rank."""
+    late = three_ranks["verdicts"] == "deferred"
+    for name, bad in (("data_nan_unguarded", 1), ("hw_nan_unguarded", 2)):
+        per_rank = three_ranks[name]
+        _same_everywhere(per_rank)
+        [incident] = [i for i in per_rank[0]["incidents"] if i["step"] == 2]
+        assert incident["check"] == "grad_local", incident
+        if late:
+            assert incident["suspect_ranks"] == [bad] and incident["evidence"]["ambiguous"] is True, incident
+            assert "step.finite" in incident["evidence"]["triggered_audit"]["reason"]
+        elif name == "data_nan_unguarded":
+            assert incident["suspect_ranks"] == [] and incident["evidence"]["verdict"] == "data"
+        else:
+            assert incident["suspect_ranks"] == [bad] and incident["evidence"]["ambiguous"] is False
 
 
 def test_sdc_detected_names_the_root_cause_in_causal_order(three_ranks: dict[str, Any]) -> None:

@@ -134,8 +134,7 @@ def test_close_on_an_exception_path_runs_no_collective_and_keeps_the_original_er
     net = nn.Linear(4, 2)
     ddp = DistributedDataParallel(net)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    monitor = sdc.SDCMonitor(ddp, opt, config=sdc.SDCConfig(replay_every=0, **OFF))
-    monitor._defer_verdicts = True  # the CUDA policy: this step's verdict is read at the next one
+    monitor = sdc.SDCMonitor(ddp, opt, config=sdc.SDCConfig(replay_every=0, verdicts="deferred", **OFF))
     with monitor.step() as step:
         step.backward(ddp(torch.ones(3, 4)).sum())
     assert monitor._pending is not None  # a verdict is in flight: a normal close() would decide it (collective)
@@ -153,8 +152,8 @@ def test_close_after_sdc_detected_runs_no_collective(one_rank: None, monkeypatch
     net = nn.Linear(4, 2)
     ddp = DistributedDataParallel(net)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    monitor = sdc.SDCMonitor(ddp, opt, config=sdc.SDCConfig(replay_every=0, on_suspect="raise", **OFF))
-    monitor._defer_verdicts = True
+    monitor = sdc.SDCMonitor(ddp, opt, config=sdc.SDCConfig(replay_every=0, on_suspect="raise", verdicts="deferred",
+                                                            **OFF))
     with monitor.step() as step:  # healthy: its verdict stays in flight
         step.backward(ddp(torch.ones(3, 4)).sum())
     with pytest.raises(sdc.SDCDetected) as raised:
@@ -178,3 +177,4 @@ def test_setup_agreement_ignores_deployment_fields(one_rank: None) -> None:
     assert detection_hash(base, 0) == detection_hash(node, 0)
     assert detection_hash(base, 0) != detection_hash(sdc.SDCConfig(weights_every=2, **OFF), 0)
     assert detection_hash(base, 0) != detection_hash(base, 1)
+    assert detection_hash(base, 0) != detection_hash(sdc.SDCConfig(verdicts="deferred", **OFF), 0)
