@@ -170,6 +170,7 @@ class SDCMonitor:
         if self._replay is not None:
             self._replay.keep_previous = self._defer_verdicts
         self._ended: Measured | None = None  # the last ended step's measurement (``step.finite`` reads it)
+        self._unguard: Callable[[], None] | None = None  # undoes skip_nonfinite_updates()
         self._open = False
         self._abandoned = False  # a step's block raised: the ranks' collectives can no longer be matched
         self._scaler_used = False
@@ -223,6 +224,52 @@ class SDCMonitor:
                        weights_agree=None if result in ("error", "skipped")
                        else not (finding and self.rank in finding.suspect_ranks))
         return self._episodes.current("weights") if finding else None
+
+    def skip_nonfinite_updates(self) -> None:
+        """Make ``optimizer.step()`` skip the update of a step whose gradients were not finite on every rank, as
+        ``GradScaler.step`` skips an overflow: the same decision on every rank, from the step's agreement. For loops
+        that do not call ``optimizer.step()`` themselves (Lightning's ``SDCCallback(skip_nonfinite=True)``, the HF
+        ``SDCTrainer(sdc_skip_nonfinite=True)``); a loop of your own writes ``if step.finite: optimizer.step()``.
+
+        A closure passed to the step (Lightning's forward and backward) runs first, then the update is applied or
+        skipped; optimizers that re-evaluate their closure (LBFGS) are refused. Undone by ``close()``.
+
+        >>> monitor.skip_nonfinite_updates()                                     # doctest: +SKIP
+        """
+        self._require_open_monitor("skip_nonfinite_updates")
+        if not self.config.grad_checks:
+            raise ValueError("skip_nonfinite_updates() needs the gradient checks: SDCConfig(grad_checks=True)")
+        if isinstance(self.optimizer, torch.optim.LBFGS):
+            raise ValueError("skip_nonfinite_updates() cannot guard LBFGS: it re-evaluates its closure inside step()")
+        if self._unguard is not None:
+            return
+        optimizer = self.optimizer
+        update = optimizer.step
+
+        def step(closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            if self._ended is not None and not self._open and self._ended.step == self._step \
+                    and not self.step_finite(self._step):
+                self._warn_once(f"skipped-update-{self._step}", "sdc_telemetry: step %d: the update is skipped on "
+                                "every rank: its gradients were not finite on every rank", self._step)
+                return loss
+            out = update(*args, **kwargs)
+            return loss if closure is not None else out
+
+        own = "step" in vars(optimizer)  # an LR scheduler may already have wrapped it on the instance
+        optimizer.step = step  # type: ignore[method-assign]
+
+        def unguard() -> None:
+            if vars(optimizer).get("step") is step:
+                if own:
+                    optimizer.step = update  # type: ignore[method-assign]
+                else:
+                    del optimizer.step  # the class's step again
+
+        self._unguard = unguard
 
     def certificate(self) -> WeightCertificate:
         """Certify the weights for a checkpoint: collective, call it on every rank (not under ``if rank == 0``).
@@ -291,6 +338,9 @@ class SDCMonitor:
     def _stop(self) -> None:
         for h in self._handles:
             h.remove()
+        if self._unguard is not None:
+            self._unguard()
+            self._unguard = None
         if self._replay is not None:
             self._replay.close()
         self.layout.disable()

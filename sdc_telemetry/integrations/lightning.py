@@ -100,6 +100,8 @@ class SDCCallback(pl.Callback):
     ``training_step`` got it, and returns the loss ``training_step`` returns (the callback divides it by
     ``accumulate_grad_batches`` as Lightning does). The default calls ``training_step(batch, 0)``, so the loss must
     not depend on ``batch_idx``. ``observer`` replaces the telemetry built from the config (tests, custom sinks).
+    ``skip_nonfinite=True`` skips the update of a step whose gradients were not finite on every rank (a NaN in one
+    rank's batch never reaches the weights), the same way on every rank, as a ``GradScaler`` skips an overflow.
 
     On ``on_suspect="raise"``, ``SDCDetected`` propagates out of ``trainer.fit`` on every rank at the same step;
     catch it around ``fit`` and exit with ``e.exit_code``. ``monitor`` is the running ``SDCMonitor`` (None before
@@ -107,7 +109,9 @@ class SDCCallback(pl.Callback):
     """
 
     def __init__(self, config: SDCConfig | None = None, loss_fn: LossFn | None = None, *,
-                 observer: Observer | None = None) -> None:
+                 observer: Observer | None = None, skip_nonfinite: bool = False) -> None:
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError(f"skip_nonfinite must be a bool, got {type(skip_nonfinite).__name__}")
         if config is not None and not isinstance(config, SDCConfig):
             raise TypeError(f"config must be an SDCConfig, got {type(config).__name__}")
         if loss_fn is not None and not callable(loss_fn):
@@ -115,6 +119,7 @@ class SDCCallback(pl.Callback):
         self.config = config
         self.loss_fn: LossFn = loss_fn if loss_fn is not None else training_step_loss
         self.observer = observer
+        self.skip_nonfinite = skip_nonfinite
         self.monitor: SDCMonitor | None = None
         self._step: StepContext | None = None
         self._sigterm: guard_sigterm | None = None
@@ -139,6 +144,8 @@ class SDCCallback(pl.Callback):
 
         self.monitor = SDCMonitor(model, trainer.optimizers[0], loss_fn=loss_fn, config=self.config,
                                   start_step=trainer.global_step, observer=self.observer)
+        if self.skip_nonfinite:
+            self.monitor.skip_nonfinite_updates()
         if self._sigterm is not None:  # a guard left by an earlier fit (released unless Lightning replaced it)
             self._sigterm.release()
         self._sigterm = guard_sigterm(self)  # in front of Lightning's SIGTERM handler until it restores its own

@@ -69,12 +69,16 @@ class SDCTrainerMixin:
     (``SDCConfig.from_env()`` when None); ``sdc_loss_fn(module, inputs)``, to recompute a micro-batch's loss for the
     replay instead of the Trainer's ``compute_loss``: it gets the unwrapped model and the micro-batch's inputs dict
     and must return what ``compute_loss`` returned for it; ``sdc_observer``, replacing the telemetry built from the
-    config. ``sdc_monitor`` is the running ``SDCMonitor`` (None before ``train()``); its ``incidents`` stay readable
-    after training.
+    config; ``sdc_skip_nonfinite=True``, skipping the update of a step whose gradients were not finite on every rank
+    (a NaN in one rank's batch never reaches the weights), the same way on every rank, as a ``GradScaler`` skips an
+    overflow. ``sdc_monitor`` is the running ``SDCMonitor`` (None before ``train()``); its ``incidents`` stay
+    readable after training.
     """
 
     def __init__(self, *args: Any, sdc_config: SDCConfig | None = None, sdc_loss_fn: LossFn | None = None,
-                 sdc_observer: Observer | None = None, **kwargs: Any) -> None:
+                 sdc_observer: Observer | None = None, sdc_skip_nonfinite: bool = False, **kwargs: Any) -> None:
+        if not isinstance(sdc_skip_nonfinite, bool):
+            raise TypeError(f"sdc_skip_nonfinite must be a bool, got {type(sdc_skip_nonfinite).__name__}")
         if sdc_config is not None and not isinstance(sdc_config, SDCConfig):
             raise TypeError(f"sdc_config must be an SDCConfig, got {type(sdc_config).__name__}")
         if sdc_loss_fn is not None and not callable(sdc_loss_fn):
@@ -84,6 +88,7 @@ class SDCTrainerMixin:
         self.sdc_config = sdc_config
         self.sdc_loss_fn = sdc_loss_fn
         self.sdc_observer = sdc_observer
+        self.sdc_skip_nonfinite = sdc_skip_nonfinite
         self.sdc_monitor: SDCMonitor | None = None
         self._sdc_step: StepContext | None = None
         self._sdc_in_training_step = False
@@ -175,6 +180,8 @@ class SDCTrainerMixin:
             raise TypeError(f"the Trainer's optimizer must be a torch.optim.Optimizer, got {type(inner).__name__}")
         self.sdc_monitor = SDCMonitor(t.model_wrapped, inner, loss_fn=self._sdc_replay_loss, config=self.sdc_config,
                                       start_step=t.state.global_step, observer=self.sdc_observer)
+        if self.sdc_skip_nonfinite:
+            self.sdc_monitor.skip_nonfinite_updates()
 
     def _sdc_end_step(self) -> None:
         step, self._sdc_step = self._sdc_step, None

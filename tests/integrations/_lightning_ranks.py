@@ -47,6 +47,19 @@ class FlipWeightBit(pl.Callback):
             self.step = -1  # once
 
 
+class NaNInBatch(pl.Callback):
+    """Puts a NaN into one sample of ``rank``'s batch of optimizer step ``step`` (a bad sample, not hardware)."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            batch[0][0, 0] = float("nan")
+            self.step = -1  # once
+
+
 def _loader() -> DataLoader[Any]:
     gen = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(96, 8, generator=gen), torch.randint(0, 3, (96,), generator=gen))
@@ -54,12 +67,16 @@ def _loader() -> DataLoader[Any]:
 
 
 def fit(world: int, config: sdc.SDCConfig, *, accumulate: int = 1, steps: int = 4,
-        flip: tuple[int, int] | None = None, checkpoint_dir: str | None = None) -> dict[str, Any]:
+        flip: tuple[int, int] | None = None, checkpoint_dir: str | None = None, nan: tuple[int, int] | None = None,
+        skip_nonfinite: bool = False) -> dict[str, Any]:
     """One fit; with ``checkpoint_dir``, a ModelCheckpoint saves every 2 optimizer steps (ckpt-<global_step>.ckpt)."""
     torch.manual_seed(0)
     counter = ResultCounter()
-    callback = SDCCallback(config=config, observer=counter)
+    callback = SDCCallback(config=config, observer=counter, skip_nonfinite=skip_nonfinite)
     callbacks: list[pl.Callback] = [FlipWeightBit(*flip)] if flip else []
+    if nan:
+        callbacks.append(NaNInBatch(*nan))
+    module = TinyModule()
     if checkpoint_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, filename="ckpt-{step}", auto_insert_metric_name=False,
                                          every_n_train_steps=2, save_top_k=-1))
@@ -69,12 +86,14 @@ def fit(world: int, config: sdc.SDCConfig, *, accumulate: int = 1, steps: int = 
                          enable_model_summary=False, limit_val_batches=0)
     raised = None
     try:
-        trainer.fit(TinyModule(), _loader())
+        trainer.fit(module, _loader())
     except sdc.SDCDetected as e:
         raised = e
     assert callback.monitor is not None
     return summary(callback.monitor.incidents, counter, raised, global_step=trainer.global_step,
-                   closed=callback.monitor.closed, model_type=type(callback.monitor.model).__name__)
+                   closed=callback.monitor.closed, model_type=type(callback.monitor.model).__name__,
+                   weights_finite=all(bool(torch.isfinite(p).all()) for p in module.parameters()),
+                   verdicts=[i.evidence.get("verdict") for i in callback.monitor.incidents])
 
 
 def run(rank: int, world: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:

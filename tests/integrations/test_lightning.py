@@ -34,6 +34,10 @@ def fits(checkpoint_dir: Path) -> list[list[dict]]:
          "flip": (1, 2)},
         {"config": sdc.SDCConfig(weights_every=1, replay_every=2, on_suspect="raise", **QUIET), "steps": 4,
          "accumulate": 2, "checkpoint_dir": str(checkpoint_dir)},
+        {"config": sdc.SDCConfig(weights_every=1, replay_every=0, on_suspect="raise", **QUIET), "steps": 4,
+         "nan": (1, 2), "skip_nonfinite": True},
+        {"config": sdc.SDCConfig(weights_every=1, replay_every=0, on_suspect="raise", verdicts="deferred", **QUIET),
+         "steps": 4, "nan": (1, 2), "skip_nonfinite": True},
     ]
     return spawn_ranks(_lightning_ranks.run, WORLD, (runs,), timeout=300, rank_env=launcher_env(WORLD))
 
@@ -48,6 +52,19 @@ def test_weight_bit_flip_stops_fit_on_every_rank(fits: list[list[dict]]) -> None
         assert r["incidents"] == [(2, "weights", [1])]
         assert r["global_step"] == 2  # stopped before step 2's update
         assert r["closed"]
+
+
+def test_a_nan_in_one_ranks_batch_is_data_and_skip_nonfinite_keeps_it_out_of_the_weights(
+        fits: list[list[dict]]) -> None:
+    """SDCCallback(skip_nonfinite=True), one rank's batch with a NaN at step 2, decided before the update or one step
+    later: a numerics incident with verdict data (nobody named, fit goes on under on_suspect="raise"), and every
+    rank skipped that update, so the weights stay finite."""
+    for path in (2, 3):
+        for rank, per_run in enumerate(fits):
+            r = per_run[path]
+            assert r["raised"] is None and r["global_step"] == 4, f"rank {rank}: {r}"
+            assert r["incidents"] == [(2, "grad_local", [])] and r["verdicts"] == ["data"], r
+            assert r["weights_finite"], f"rank {rank}: the NaN update reached the weights"
 
 
 def test_healthy_accumulated_fit_replays_without_incident(fits: list[list[dict]]) -> None:
@@ -80,10 +97,13 @@ def test_checkpoints_carry_a_certificate_of_their_global_step(fits: list[list[di
 
 
 def test_bad_arguments_are_named() -> None:
-    """A config that is not an SDCConfig, or a loss_fn that is not callable, is refused naming the argument."""
+    """A config that is not an SDCConfig, a loss_fn that is not callable, or a skip_nonfinite that is not a bool, is
+    refused naming the argument."""
     from sdc_telemetry.lightning import SDCCallback
 
     with pytest.raises(TypeError, match="config must be an SDCConfig"):
         SDCCallback(config={"replay_every": 2})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="loss_fn must be callable"):
         SDCCallback(loss_fn="loss")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="skip_nonfinite must be a bool"):
+        SDCCallback(skip_nonfinite=1)  # type: ignore[arg-type]

@@ -36,6 +36,8 @@ def runs(save_dir: Path) -> list[list[dict]]:
          "flip": (1, 2)},
         {"config": healthy, "steps": 4, "accumulate": 2, "save_dir": str(save_dir)},
         {"config": healthy, "steps": 4, "accumulate": 3, "token_normalised": False},
+        {"config": sdc.SDCConfig(weights_every=1, replay_every=0, **QUIET), "steps": 4, "nan_grad": (1, 2),
+         "skip_nonfinite": True},
     ]
     return spawn_ranks(_transformers_ranks.run, WORLD, (plan,), timeout=300, rank_env=launcher_env(WORLD))
 
@@ -58,6 +60,17 @@ def test_healthy_accumulated_training_replays_without_incident(runs: list[list[d
     replayed bit for bit on every rank (two replay passes; weights pass every step, and at each of the first run's
     two checkpoints)."""
     assert_healthy_and_replayed([per_run[run] for per_run in runs], certificates=2 if run == 1 else 0)
+
+
+def test_a_nan_one_ranks_computation_makes_is_named_and_skip_nonfinite_keeps_it_out_of_the_weights(
+        runs: list[list[dict]]) -> None:
+    """SDCTrainer(sdc_skip_nonfinite=True), a NaN made in one rank's local gradient at step 2: the triggered audit
+    names that rank (a partner recomputing the micro-batch gets finite gradients), and every rank skipped that
+    update, so the weights stay finite and training goes on to the end."""
+    for rank, per_run in enumerate(runs):
+        r = per_run[3]
+        assert r["incidents"] == [(2, "grad_local", [1])] and r["verdicts"] == ["transient"], f"rank {rank}: {r}"
+        assert r["global_step"] == 4 and r["weights_finite"], f"rank {rank}: {r}"
 
 
 def test_checkpoint_directories_carry_a_certificate_of_their_step(runs: list[list[dict]], save_dir: Path) -> None:
@@ -89,10 +102,13 @@ def test_checkpoint_directories_carry_a_certificate_of_their_step(runs: list[lis
 
 
 def test_bad_arguments_are_named() -> None:
-    """A sdc_config that is not an SDCConfig, or a sdc_loss_fn that is not callable, is refused naming it."""
+    """A sdc_config that is not an SDCConfig, a sdc_loss_fn that is not callable, or a sdc_skip_nonfinite that is
+    not a bool, is refused naming it."""
     from sdc_telemetry.transformers import SDCTrainer
 
     with pytest.raises(TypeError, match="sdc_config must be an SDCConfig"):
         SDCTrainer(sdc_config={"replay_every": 2})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="sdc_loss_fn must be callable"):
         SDCTrainer(sdc_loss_fn="loss")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="sdc_skip_nonfinite must be a bool"):
+        SDCTrainer(sdc_skip_nonfinite="yes")  # type: ignore[arg-type]

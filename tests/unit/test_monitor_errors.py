@@ -178,3 +178,68 @@ def test_setup_agreement_ignores_deployment_fields(one_rank: None) -> None:
     assert detection_hash(base, 0) != detection_hash(sdc.SDCConfig(weights_every=2, **OFF), 0)
     assert detection_hash(base, 0) != detection_hash(base, 1)
     assert detection_hash(base, 0) != detection_hash(sdc.SDCConfig(verdicts="deferred", **OFF), 0)
+
+
+@pytest.mark.parametrize("verdicts", ["immediate", "deferred"])
+def test_step_finite_is_the_guard_against_a_non_finite_update(verdicts: str) -> None:
+    """`if step.finite: optimizer.step()`: a finite step says True, a NaN step False (read after the block, on either
+    verdict path), so the NaN never reaches the weights; reading it inside the block is refused."""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    monitor = sdc.SDCMonitor(net, opt, config=sdc.SDCConfig(verdicts=verdicts, **OFF))
+    seen = []
+    for x in (torch.ones(3, 4), torch.full((3, 4), math.nan), torch.ones(3, 4)):
+        with monitor.step(x) as step:
+            with pytest.raises(RuntimeError, match="after the step"):
+                step.finite  # noqa: B018 - the property is the call under test
+            step.backward(net(x).sum())
+        seen.append(step.finite)
+        if step.finite:
+            opt.step()
+        opt.zero_grad()
+    monitor.close()
+    assert seen == [True, False, True]
+    assert all(bool(torch.isfinite(p).all()) for p in net.parameters())
+    with pytest.raises(RuntimeError, match="grad_checks"):
+        off = sdc.SDCMonitor(net, opt, config=sdc.SDCConfig(grad_checks=False, **OFF))
+        with off.step(torch.ones(3, 4)) as step:
+            step.backward(net(torch.ones(3, 4)).sum())
+        try:
+            step.finite  # noqa: B018
+        finally:
+            off.close()
+
+
+@pytest.mark.parametrize("verdicts", ["immediate", "deferred"])
+def test_skip_nonfinite_updates_skips_the_update_as_a_grad_scaler_would(verdicts: str) -> None:
+    """monitor.skip_nonfinite_updates(): optimizer.step() (with or without a closure) applies finite steps and skips
+    a NaN one; close() gives the optimizer its own step back; LBFGS and grad_checks=False are refused by name."""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    monitor = sdc.SDCMonitor(net, opt, config=sdc.SDCConfig(verdicts=verdicts, **OFF))
+    monitor.skip_nonfinite_updates()
+    monitor.skip_nonfinite_updates()  # a second call changes nothing
+    before = net.weight.detach().clone()
+    for x in (torch.ones(3, 4), torch.full((3, 4), math.nan)):
+        with monitor.step(x) as step:
+            step.backward(net(x).sum())
+        assert opt.step(lambda: torch.tensor(1.5)) == 1.5  # a closure runs first and its loss is returned
+        opt.zero_grad()
+    assert not torch.equal(net.weight, before) and bool(torch.isfinite(net.weight).all())
+    monitor.close()
+    assert "step" not in vars(opt)
+    with pytest.raises(ValueError, match="LBFGS"):
+        lbfgs = torch.optim.LBFGS(net.parameters())
+        other = sdc.SDCMonitor(net, lbfgs, config=sdc.SDCConfig(**OFF))
+        try:
+            other.skip_nonfinite_updates()
+        finally:
+            other.close()
+    with pytest.raises(ValueError, match="grad_checks"):
+        other = sdc.SDCMonitor(net, opt, config=sdc.SDCConfig(grad_checks=False, **OFF))
+        try:
+            other.skip_nonfinite_updates()
+        finally:
+            other.close()
