@@ -116,6 +116,7 @@ HSDP_SKIPPED = {
 }
 LAYOUTS = ("ddp", "hsdp")
 MODES = ("exact", "tolerance")
+VERDICTS = ("immediate", "deferred")
 NOISE = 1e-6  # tolerance mode: run-to-run noise on every rank (relative, fresh per forward call)
 KERNEL_DEVIATION = 1e-5  # --kernel-deviation: one rank's fixed relative deviation (another kernel)
 TINY_GPT: dict[str, Any] = {"vocab": 64, "dim": 32, "layers": 2, "heads": 2, "seq": 16, "dropout": 0.1}
@@ -299,9 +300,10 @@ def _replicas_differ(values: list[Any], shards: int) -> bool:
     return any(len(set(values[s::shards])) > 1 for s in range(shards))
 
 
-def _config(replay_every: int, mode: str, triggers: bool = True) -> sdc.SDCConfig:
+def _config(replay_every: int, mode: str, triggers: bool = True, verdicts: str = "immediate") -> sdc.SDCConfig:
     return sdc.SDCConfig(weights_every=1, replay_every=replay_every, on_suspect="record", metrics_port=None,
-                         nvml=False, mode=mode, trigger_audits=triggers)  # type: ignore[arg-type]
+                         nvml=False, mode=mode, trigger_audits=triggers,  # type: ignore[arg-type]
+                         verdicts=verdicts)  # type: ignore[arg-type]
 
 
 def _numerics(module: nn.Module, t: dict[str, Any], rank: int, mode: str, kernel_deviation: bool) -> Any:
@@ -313,8 +315,9 @@ def _numerics(module: nn.Module, t: dict[str, Any], rank: int, mode: str, kernel
 
 
 def _trial(t: dict[str, Any], steps: int, replay_every: int, mesh: Any = None, mode: str = "exact",
-           kernel_deviation: bool = False) -> dict[str, Any]:
-    """One trial on every rank: DDP, or fully_shard on ``mesh`` (HSDP) when one is given."""
+           kernel_deviation: bool = False, verdicts: str = "immediate") -> dict[str, Any]:
+    """One trial on every rank: DDP, or fully_shard on ``mesh`` (HSDP) when one is given. The loop follows the
+    documented recipe: ``if step.finite: optimizer.step()`` (a GradScaler skips by itself)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     steps = t.get("steps", steps)
     module = build(t["model"], t["seed"])
@@ -351,7 +354,8 @@ def _trial(t: dict[str, Any], steps: int, replay_every: int, mesh: Any = None, m
     fn = loss_fn(t["model"], weighted)
     ddp_only: dict[str, Any] = {"comm_hook": inj.comm_hook, "comm_state": None} if mesh is None else {}
     recorder = _Recorder()
-    monitor = sdc.SDCMonitor(ddp, opt, loss_fn=fn, **ddp_only, config=_config(replay_every, mode),
+    monitor = sdc.SDCMonitor(ddp, opt, loss_fn=fn, **ddp_only, config=_config(replay_every, mode,
+                                                                                  verdicts=verdicts),
                              observer=recorder)
     # Ground truth beside the monitor: the flipped element on every rank, and whether the replicas' weights differ.
     step = 0
@@ -406,10 +410,15 @@ def _trial(t: dict[str, Any], steps: int, replay_every: int, mesh: Any = None, m
         value = float(loss.detach())
         losses.append(value if math.isfinite(value) else None)
         if scaler is not None:
+            before = scaler.get_scale()
             scaler.step(opt)
             scaler.update()
-        else:
+            if scaler.get_scale() < before:  # an overflow: the scaler skipped the update
+                inj.skipped_update()
+        elif st.finite:
             opt.step()
+        else:
+            inj.skipped_update()
         opt.zero_grad()
         after_update()
     monitor.close()
@@ -434,13 +443,13 @@ def _trigger(evidence: dict[str, Any]) -> str | None:
 
 
 def _group(rank: int, world: int, trials: list[dict[str, Any]], steps: int, replay_every: int, layout: str = "ddp",
-           mode: str = "exact", kernel_deviation: bool = False) -> list[dict[str, Any]]:
+           mode: str = "exact", kernel_deviation: bool = False, verdicts: str = "immediate") -> list[dict[str, Any]]:
     logging.getLogger("sdc_telemetry").setLevel(logging.CRITICAL)  # incidents are the point here: keep stderr quiet
     mesh = _mesh(world, layout)
     out = []
     for t in trials:
         try:
-            out.append(_trial(t, steps, replay_every, mesh, mode, kernel_deviation))
+            out.append(_trial(t, steps, replay_every, mesh, mode, kernel_deviation, verdicts))
         except Exception as e:  # same plan on every rank: a planning error happens on all of them alike
             out.append({"id": t["id"], "error": f"{type(e).__name__}: {e}"})
     return out
@@ -726,7 +735,7 @@ def poisson_upper(k: int, exposure: float, confidence: float = 0.95) -> float:
 def run(trials: int = 240, seed: int = 0, world: int | None = None, steps: int = 10, replay_every: int = 3,
         per_spawn: int = 30, timeout: float = 300.0, out_dir: str | Path | None = None, quiet: bool = False,
         layout: str = "ddp", mode: str = "exact", kernel_deviation: bool = False, trigger_steps: int = 16,
-        cost_steps: int = 160) -> dict[str, Any]:
+        cost_steps: int = 160, verdicts: str = "immediate") -> dict[str, Any]:
     """Run the campaign, print the tables, write ``campaign.json`` (``campaign_tolerance.json`` in tolerance mode,
     ``campaign_hsdp[_tolerance].json`` for HSDP); return the payload. ``world`` defaults to 3 ranks for DDP and 6
     (3 replicas x 2 shards) for HSDP. ``cost_steps``: healthy steps timed with triggers on and off (each; 0: not
@@ -735,6 +744,8 @@ def run(trials: int = 240, seed: int = 0, world: int | None = None, steps: int =
     kinds = kinds_of(layout)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if verdicts not in VERDICTS:
+        raise ValueError(f"verdicts must be one of {VERDICTS}, got {verdicts!r}")
     if kernel_deviation and mode != "tolerance":
         raise ValueError("--kernel-deviation emulates GPU kernels and needs --mode tolerance")
     world = world or (3 if layout == "ddp" else HSDP_MESH[0] * HSDP_MESH[1])
@@ -746,8 +757,8 @@ def run(trials: int = 240, seed: int = 0, world: int | None = None, steps: int =
     for start in range(0, len(planned), per_spawn):
         chunk = planned[start:start + per_spawn]
         try:
-            per_rank = spawn_ranks(_group, world, args=(chunk, steps, replay_every, layout, mode, kernel_deviation),
-                                   timeout=timeout)
+            per_rank = spawn_ranks(_group, world, args=(chunk, steps, replay_every, layout, mode, kernel_deviation,
+                                                        verdicts), timeout=timeout)
         except RankFailed as e:  # a hung or crashed group is reported, and the campaign goes on
             for t in chunk:
                 results[t["id"]] = {"id": t["id"], "error": f"RankFailed: {str(e)[:2000]}"}
@@ -774,7 +785,8 @@ def run(trials: int = 240, seed: int = 0, world: int | None = None, steps: int =
     s["magnitudes"] = magnitudes(s)
     s["trigger_cost"] = cost
     label = f"{mode} mode" + (f", one rank's kernels deviating by {KERNEL_DEVIATION:g}" if kernel_deviation else "") \
-        + (f", emulated noise {NOISE:g} on every rank" if mode == "tolerance" else "")
+        + (f", emulated noise {NOISE:g} on every rank" if mode == "tolerance" else "") \
+        + (", verdicts read one step later (deferred)" if verdicts == "deferred" else "")
 
     rows = []
     for r in s["rows"]:
@@ -852,13 +864,15 @@ def run(trials: int = 240, seed: int = 0, world: int | None = None, steps: int =
     if s["errors"]:
         say(f"{len(s['errors'])} trials failed to run: {s['errors'][:3]}")
     payload = {"trials": trials, "seed": seed, "world": world, "steps": steps, "trigger_steps": trigger_steps,
-               "replay_every": replay_every, "mode": mode, "kernel_deviation": KERNEL_DEVIATION if kernel_deviation
-               else 0.0, "noise": NOISE if mode == "tolerance" else 0.0, "layout": layout,
+               "replay_every": replay_every, "mode": mode, "verdicts": verdicts,
+               "kernel_deviation": KERNEL_DEVIATION if kernel_deviation else 0.0,
+               "noise": NOISE if mode == "tolerance" else 0.0, "layout": layout,
                "wall_s": time.perf_counter() - t0, **s, "plan": planned,
                "results": [results.get(t["id"]) for t in planned]}
     if layout == "hsdp":
         payload.update(mesh=[world // HSDP_MESH[1], HSDP_MESH[1]], skipped=HSDP_SKIPPED)
-    name = "campaign" + ("_hsdp" if layout == "hsdp" else "") + ("_tolerance" if mode == "tolerance" else "")
+    name = "campaign" + ("_hsdp" if layout == "hsdp" else "") + ("_tolerance" if mode == "tolerance" else "") \
+        + ("_deferred" if verdicts == "deferred" else "")
     path = write_json(name, payload, out_dir)
     say(f"wrote {path} ({wall:.0f} s)")
     return payload
@@ -879,6 +893,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--kernel-deviation", action="store_true",
                    help=f"tolerance mode: one rank per trial computes with a fixed {KERNEL_DEVIATION:g} relative "
                         "deviation (its kernels differ from the others')")
+    p.add_argument("--verdicts", choices=VERDICTS, default="immediate",
+                   help="immediate: each step decided before its update; deferred: healthy verdicts read one step "
+                        "later, anomalies replayed then on today's weights")
     p.add_argument("--trials", type=int, default=240)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=10)
@@ -896,7 +913,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if a.kernel_deviation and a.mode != "tolerance":
         p.error("--kernel-deviation needs --mode tolerance")
     common = {"seed": a.seed, "out_dir": a.out_dir, "layout": a.layout, "mode": a.mode,
-              "kernel_deviation": a.kernel_deviation}
+              "kernel_deviation": a.kernel_deviation, "verdicts": a.verdicts}
     if a.quick:
         n = len(kinds_of(a.layout))
         run(trials=n, steps=5, replay_every=2, per_spawn=n, trigger_steps=12, cost_steps=8, **common)

@@ -56,6 +56,7 @@ BASELINE = "no monitor"
 HOOK = "no monitor, Python allreduce comm hook"
 FLOOR = "no monitor, one read each (floor)"
 WEIGHTS = "grad + weights/1"
+DEFERRED = "grad + weights/1, verdicts deferred"
 
 
 def configurations(replay_every: Sequence[int]) -> list[tuple[str, dict[str, Any] | None]]:
@@ -66,6 +67,9 @@ def configurations(replay_every: Sequence[int]) -> list[tuple[str, dict[str, Any
         (FLOOR, None),  # diagnostic: the least any check reading each tensor once can cost (see _Run)
         ("grad checks", {"weights_every": 0, "replay_every": 0}),
         (WEIGHTS, {"weights_every": 1, "replay_every": 0}),
+        # The same checks with the verdict read one step later (no host wait on a GPU): on CPU the two cost the same
+        # work, so the difference is what deciding before the update costs.
+        (DEFERRED, {"weights_every": 1, "replay_every": 0, "verdicts": "deferred"}),
     ]
     out += [(f"{WEIGHTS} + replay/{n}", {"weights_every": 1, "replay_every": n}) for n in replay_every]
     return out

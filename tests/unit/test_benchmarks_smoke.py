@@ -95,14 +95,16 @@ def test_replay_noise_quick_measures_deltas_and_the_calibrated_headroom(bench, t
 
 
 def test_overhead_quick_reports_every_configuration(bench, tmp_path, capsys):
-    """overhead.py --quick runs every configuration interleaved on 2 ranks and reports ratios with their spread."""
+    """overhead.py --quick runs every configuration interleaved on 2 ranks (deferred verdicts beside immediate ones)
+    and reports ratios with their spread."""
     bench("overhead").main(["--quick", "--out-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "per-step ratio" in out and "Where the time goes" in out
     assert out.count("target:") == 3
     data = _result(tmp_path, "overhead")
     labels = ["no monitor", "no monitor, Python allreduce comm hook", "no monitor, one read each (floor)",
-              "grad checks", "grad + weights/1", "grad + weights/1 + replay/4", "grad + weights/1 + replay/2"]
+              "grad checks", "grad + weights/1", "grad + weights/1, verdicts deferred", "grad + weights/1 + replay/4",
+              "grad + weights/1 + replay/2"]
     assert list(data["configs"]) == labels
     # the floor read every local gradient, every reduced gradient and every parameter at every step
     assert data["floor_reads_per_step"] == 3 * data["parameter_tensors"] > 0
@@ -338,3 +340,15 @@ def test_hsdp_quick_reports_ratios_against_unmonitored_fsdp(bench, tmp_path, cap
     assert summary["FSDP2 HSDP, no monitor"]["ratio"] == 1.0
     replay = summary["grad + weights/1 + replay/10"]["results"]
     assert replay["replay:pass"] >= 1 and not any(k.endswith((":fail", ":error", ":skipped")) for k in replay)
+
+
+def test_campaign_runs_with_deferred_verdicts_and_names_no_data_fault(bench, tmp_path, capsys):
+    """campaign.py --verdicts deferred --quick: one fault of each kind read one step later, scored without harness
+    errors into campaign_deferred.json; the data faults (a NaN in one rank's batch, a heavy batch) name nobody."""
+    campaign = bench("campaign")
+    campaign.main(["--quick", "--verdicts", "deferred", "--out-dir", str(tmp_path)])
+    assert "verdicts read one step later (deferred)" in capsys.readouterr().out
+    data = _result(tmp_path, "campaign_deferred")
+    assert data["errors"] == [] and data["verdicts"] == "deferred"
+    assert all(r["named"] == 0 for r in data["rows"] if r["kind"] in campaign.DATA_KINDS)
+    _campaign_shape(campaign, data)
