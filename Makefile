@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 lint: setup
-	$(VENV)/bin/ruff check sdc_telemetry tests benchmarks examples
+	$(VENV)/bin/ruff check sdc_telemetry tests benchmarks examples scripts
 
 typecheck: setup
 	$(VENV)/bin/mypy

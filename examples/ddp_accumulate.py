@@ -59,7 +59,8 @@ def main() -> None:
                     else:
                         with nullcontext() if last else model.no_sync():
                             step.backward(compute_loss(model, mb), scale=1 / n)
-            optimizer.step()
+            if step.finite:  # skip a non-finite update, the same way on every rank
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     dist.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:

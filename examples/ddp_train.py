@@ -70,7 +70,8 @@ def main() -> None:
                 flip_bit(net[0].weight.data, index=3, bit=20)  # fire drill: memory corruption between steps
             with monitor.step(batch) as s:
                 s.backward(compute_loss(model, batch))
-            optimizer.step()
+            if s.finite:  # the same answer on every rank: a bad sample's NaN never reaches the weights
+                optimizer.step()
             optimizer.zero_grad()
             if (step + 1) % args.checkpoint_every == 0:
                 cert = monitor.certificate()  # collective: every rank, never under `if rank == 0`

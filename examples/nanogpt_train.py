@@ -146,7 +146,8 @@ with sdc.exit_on_sdc(monitor):  # SDCDetected on any rank: every rank exits 75; 
                 X, Y = get_batch()  # prefetch the next micro-batch, as nanoGPT does
                 step.backward(loss, scale=1 / args.grad_accum)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        if step.finite:  # the same answer on every rank: a bad sample's NaN never reaches the weights
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         iter_num += 1
         if iter_num >= args.max_iters:

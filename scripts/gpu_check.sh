@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# GPU check, on one CUDA device; CI never runs it. Five parts, each under a timeout (about 12 minutes in all at most,
-# usually under 5):
+# GPU check, on one CUDA device; CI never runs it. Six parts, each under a timeout (about 14 minutes in all at most,
+# usually under 6):
 #   1. the unit tests marked `gpu` (real NVML through the collector and through Telemetry);
 #   2. the real NVML counters of this GPU read by the collector, served on a Prometheus endpoint, scraped over HTTP
 #      and printed per family (fields the GPU does not support are listed as left out);
 #   3. sdc.fingerprint against torch.sum on 1 GiB of bf16 and of fp32 (median of CUDA-event timings, GB/s, ratio);
-#   4. the NCCL path: a one-rank NCCL process group, DDP and the monitor; healthy steps run under
-#      torch.cuda.set_sync_debug_mode("error") (any host synchronisation raises), and a NaN gradient is still
-#      reported, at its own step, when its verdict is read one step later;
+#   4. the NCCL path: a one-rank NCCL process group, DDP and the monitor; with verdicts="deferred" healthy steps run
+#      under torch.cuda.set_sync_debug_mode("error") (any host synchronisation raises) and a NaN gradient is still
+#      reported at its own step; with verdicts="immediate" (the default) the host waits of a healthy step are counted
+#      (one: the agreement) and the CPU time per step of both paths is printed;
 #   5. replay noise on real kernels: 2 gloo ranks sharing the GPU train a small GPT under bf16 autocast with
 #      mode="tolerance", tolerance="auto" and an audit every step (benchmarks/replay_noise.py): every audit must pass,
-#      and the measured loss/gradient deltas, the calibrated threshold and its headroom are printed.
+#      and the measured loss/gradient deltas, the calibrated threshold and its headroom are printed;
+#   6. the attribution scenarios on CUDA, on both verdict paths (scripts/attribution_check.py: 3 gloo ranks share the
+#      GPU): a NaN in one rank's batch is data, one rank's NaN and a one-step x8 fault name that rank, a heavy batch
+#      is data, a healthy run passes.
 # Usage: scripts/gpu_check.sh            (PY=/path/to/python to use another interpreter than .venv/bin/python)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,11 +30,11 @@ fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv || true
 
 echo
-echo "== 1/5 unit tests marked gpu"
+echo "== 1/6 unit tests marked gpu"
 timeout 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/unit
 
 echo
-echo "== 2/5 real NVML counters through the collector, scraped over HTTP"
+echo "== 2/6 real NVML counters through the collector, scraped over HTTP"
 timeout 90 "$PY" - <<'PYEOF'
 import json
 import socket
@@ -81,7 +85,7 @@ assert {"hw_temperature_celsius", "hw_gpu_memory_usage_bytes"} <= seen, "basic N
 PYEOF
 
 echo
-echo "== 3/5 sdc.fingerprint vs torch.sum on 1 GiB"
+echo "== 3/6 sdc.fingerprint vs torch.sum on 1 GiB"
 timeout 180 "$PY" - <<'PYEOF'
 import torch
 
@@ -127,7 +131,7 @@ for dtype in (torch.bfloat16, torch.float32):
 PYEOF
 
 echo
-echo "== 4/5 NCCL path: no host synchronisation on healthy steps"
+echo "== 4/6 NCCL path: deferred verdicts make no host synchronisation, immediate ones one wait per step"
 timeout 120 "$PY" - <<'PYEOF'
 import os
 import socket
@@ -147,8 +151,8 @@ dist.init_process_group("nccl", rank=0, world_size=1)
 model = DistributedDataParallel(nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 16)).cuda(),
                                 device_ids=[0])
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-monitor = sdc.SDCMonitor(model, opt, config=sdc.SDCConfig(replay_every=0, metrics_port=None, nvml=False))
-assert monitor._defer_verdicts, "CUDA verdicts should be read one step later"
+monitor = sdc.SDCMonitor(model, opt, config=sdc.SDCConfig(replay_every=0, metrics_port=None, nvml=False,
+                                                          verdicts="deferred"))
 
 
 def step(poison: bool = False) -> None:
@@ -180,13 +184,54 @@ monitor.close()
 found = [(i.step, i.check, i.evidence.get("verdict")) for i in monitor.incidents]
 print("incidents:", found)
 assert found and found[0][:2] == (poisoned, "grad_local"), found
+
+# verdicts="immediate" (the default): each healthy step waits for its agreement once (Event.synchronize).
+import time
+
+waits = [0]
+real_sync = torch.cuda.Event.synchronize
+
+
+def counted(self):  # type: ignore[no-untyped-def]
+    waits[0] += 1
+    return real_sync(self)
+
+
+cpu = {}
+for verdicts in ("immediate", "deferred"):
+    # A fresh DDP model per monitor: DDP takes one comm hook for its lifetime.
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 16)).cuda(),
+                                    device_ids=[0])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    monitor = sdc.SDCMonitor(model, opt, config=sdc.SDCConfig(replay_every=0, metrics_port=None, nvml=False,
+                                                              verdicts=verdicts))
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.Event.synchronize = counted
+    waits[0] = 0
+    c0 = time.process_time()
+    for _ in range(20):
+        step()
+    torch.cuda.synchronize()
+    cpu[verdicts] = (time.process_time() - c0) / 20
+    torch.cuda.Event.synchronize = real_sync
+    print(f"verdicts={verdicts}: {waits[0] / 20:.2f} host waits per healthy step, "
+          f"{cpu[verdicts] * 1e3:.2f} ms CPU per step")
+    assert waits[0] <= (20 if verdicts == "immediate" else 0), waits
+    monitor.close()
+print(f"CPU time per step, immediate / deferred: {cpu['immediate'] / cpu['deferred']:.3f}")
 dist.destroy_process_group()
 PYEOF
 
 echo
-echo "== 5/5 replay noise on real kernels: 2 gloo ranks on this GPU, bf16, tolerance=auto, an audit every step"
+echo "== 5/6 replay noise on real kernels: 2 gloo ranks on this GPU, bf16, tolerance=auto, an audit every step"
 timeout 240 "$PY" benchmarks/replay_noise.py --check --device cuda --dtype bf16 --steps 40 --out-dir "${OUT:-/tmp}/gpu_check"
 timeout 120 "$PY" benchmarks/replay_noise.py --check --device cuda --dtype fp32 --steps 20 --out-dir "${OUT:-/tmp}/gpu_check"
+
+echo
+echo "== 6/6 attribution on CUDA, decided before the update and read one step later"
+timeout 300 "$PY" scripts/attribution_check.py --device cuda
 
 echo
 echo "gpu_check: OK"

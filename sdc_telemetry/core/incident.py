@@ -61,6 +61,9 @@ class Incident:
         extra = " (ambiguous)" if self.evidence.get("ambiguous") else ""
         verdict = self.evidence.get("verdict")
         what = f" verdict={verdict}" if verdict else ""
+        if self.numerics and verdict == "data":
+            return (f"SDC numerics event: check={self.check} step={self.step} verdict=data: a partner recomputing the "
+                    "anomalous rank's micro-batch got the same result (the data, not the hardware; nobody named)")
         if self.numerics:
             return (f"SDC numerics event: check={self.check} step={self.step}: non-finite gradients on every rank "
                     "(overflow, a bad batch or divergence; not a hardware suspect)")

@@ -129,7 +129,9 @@ def _same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(sc.get("seed", 0))
-    net = Net(batchnorm=sc.get("batchnorm", False), checkpoint=sc.get("checkpoint"), experts=sc.get("experts", False))
+    device = torch.device(sc.get("device", "cpu"))  # "cuda": ranks share the GPU (scripts/attribution_check.py)
+    net = Net(batchnorm=sc.get("batchnorm", False), checkpoint=sc.get("checkpoint"),
+              experts=sc.get("experts", False)).to(device)
     ddp = DistributedDataParallel(net, find_unused_parameters=sc.get("find_unused", False),
                                   gradient_as_bucket_view=sc.get("bucket_view", False))
     if sc.get("freeze_after_wrap"):
@@ -210,14 +212,14 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
     accumulate = sc.get("accumulate", 1)
     no_sync = sc.get("no_sync", True)
     autocast = sc.get("autocast", False)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if sc.get("scaler") else None
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**8) if sc.get("scaler") else None
     verified: list[Any] = []
     skipped: list[int] = []
     start = time.monotonic()
     try:
         for k in range(start_step, start_step + sc.get("steps", 8)):
-            micro = [{"x": torch.randn(8, 16, generator=gen), "y": torch.randint(0, 4, (8,), generator=gen)}
-                     for _ in range(accumulate)]
+            micro = [{"x": torch.randn(8, 16, generator=gen).to(device),
+                      "y": torch.randint(0, 4, (8,), generator=gen).to(device)} for _ in range(accumulate)]
             if sc.get("nan_all_step") == k:  # a bad batch on every rank: numerics, not hardware
                 for mb in micro:
                     mb["x"][0, 0] = float("nan")
@@ -226,7 +228,7 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
                 micro[0]["x"][0, 0] = float("nan")
             if sc.get("loss") == "weighted":
                 for mb in micro:
-                    mb["w"] = torch.ones(8)
+                    mb["w"] = torch.ones(8, device=device)
             hard = sc.get("heavy_batch_at")
             if hard and rank == hard["rank"] and k == hard["step"]:  # a heavy batch: its own data, not hardware
                 micro[0]["w"].fill_(hard["weight"])
@@ -240,7 +242,7 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
                 micro = [OrderedDict(mb) for mb in micro]
             if accumulate == 1:
                 with monitor.step(micro[0]) as step:
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # forward only
+                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):  # forward only
                         loss = chosen_loss(ddp, micro[0]) if sc.get("loss") != "broken" else loss_fn(ddp, micro[0])
                     step.backward(loss, scaler=scaler)
             else:

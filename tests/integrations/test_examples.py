@@ -123,6 +123,17 @@ def test_ddp_example_fire_drill_stops_every_rank_then_resumes_from_certified_che
     assert "from step 10" in resumed.stdout + resumed.stderr
 
 
+def test_accelerate_example_keeps_a_bad_sample_out_of_the_weights() -> None:
+    """The Accelerate sample (accelerator.backward kept, step.record_loss before it) with a NaN in one rank's batch,
+    decided before the update and one step later: the triggered audit says data (nobody named, training goes on
+    under on_suspect="raise"), `if step.finite:` skipped that one update on every rank, the weights stay finite."""
+    pytest.importorskip("accelerate")
+    for verdicts in ("immediate", "deferred"):
+        proc = torchrun("accelerate_train.py", "--steps", "8", "--nan-at", "5", env={"SDC_VERDICTS": verdicts})
+        assert_finished(proc, "8 steps; updates skipped: 1; weights finite: True; "
+                              "incidents: [(5, 'grad_local', 'data', [])]")
+
+
 def test_nanogpt_example_trains_and_certifies_its_checkpoints(tmp_path: Path) -> None:
     """The module-level nanoGPT loop (accumulation with the require_backward_grad_sync toggle, a tied head) trains
     12 iterations with every check and replay on, no incident, and its checkpoint's certificate verifies."""
@@ -135,16 +146,19 @@ def test_nanogpt_example_trains_and_certifies_its_checkpoints(tmp_path: Path) ->
     assert sdc.WeightCertificate.from_dict(ckpt["sdc_certificate"]).verify(ckpt["model"]) == []
 
 
-def test_nanogpt_stop_under_torchrun_every_rank_exits_75_in_20_of_20_runs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("verdicts", ["immediate", "deferred"])
+def test_nanogpt_stop_under_torchrun_every_rank_exits_75_in_20_of_20_runs(verdicts: str, tmp_path: Path) -> None:
     """20 torchrun launches of the nanoGPT loop (default monitor interval, metrics endpoint on, on_suspect="raise",
-    a weight bit flipped on one rank): in every one, torchrun exits 1 and lists exit code 75 for both ranks, and each
-    rank reports closing its monitor in well under 0.1 s."""
+    a weight bit flipped on one rank), with verdicts decided before the update or read one step later: in every one,
+    torchrun exits 1 and lists exit code 75 for both ranks, and each rank reports closing its monitor in well under
+    0.1 s."""
     runs = 20
     dirs = [tmp_path / f"run{i}" for i in range(runs)]
     for d in dirs:
         d.mkdir()
     with ThreadPoolExecutor(max_workers=2) as pool:  # 2 launches at a time: ~3 processes each on 2 cores
-        outcomes = [stop_outcome(p) for p in pool.map(stop_drill, dirs)]
+        outcomes = [stop_outcome(p) for p in pool.map(lambda d: stop_drill(d, env={"SDC_VERDICTS": verdicts}),
+                                                      dirs)]
     clean = [o for o in outcomes if o["torchrun"] == 1 and o["exitcodes"] == ["75", "75"]
              and sorted(o["closed_ms"]) == [0, 1] and not o["endpoint_failed"]]
     worst_close = max((ms for o in outcomes for ms in o["closed_ms"].values()), default=float("nan"))
