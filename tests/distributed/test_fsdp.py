@@ -18,6 +18,7 @@ HSDP = {
     "nan": {"config": {"replay_every": 0}, "steps": 4, "nan": {"rank": 4, "step": 2}, "guard": True},
     "compute": {"config": {"replay_every": 3}, "steps": 5,
                 "perturb": {"rank": 1, "step": 1, "module": "l2", "relative": 1e-3}},
+    "nan_then_audit": {"config": {"replay_every": 2}, "steps": 4, "nan": {"rank": 4, "step": 1}, "guard": True},
     "healthy": {"config": {"replay_every": 3}, "steps": 30},
     "on": {"config": {"replay_every": 2}, "steps": 20},
     "off": {"monitor": False, "steps": 20},
@@ -45,6 +46,14 @@ def test_hsdp_nan_in_one_batch_is_data_after_a_triggered_audit(hsdp: dict[str, A
     """A NaN in rank 4's batch shows in its reduce-scatter input only; the triggered audit (every rank recomputes
     through the sharded model) gets the same NaN on rank 4's partner: verdict data, no suspect."""
     assert _same(hsdp["nan"])[0] == (2, "grad_local", [], "data")
+
+
+def test_hsdp_late_data_verdict_then_a_scheduled_audit(hsdp: dict[str, Any]) -> None:
+    """A NaN in rank 4's batch at step 1 and an audit at step 2: (deferred) step 1's replay in lockstep through the
+    sharded model runs just before step 2's, which still passes on every rank."""
+    assert _same(hsdp["nan_then_audit"]) == [(1, "grad_local", [], "data")]
+    for r in hsdp["nan_then_audit"]:
+        assert r["counts"]["replay"] == {"pass": 2} and not r["errors"]
 
 
 def test_hsdp_compute_fault_found_by_replay(hsdp: dict[str, Any]) -> None:

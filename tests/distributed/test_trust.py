@@ -42,6 +42,9 @@ def three_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
                      "nan_rank_at": {"rank": 1, "step": 2}, "guard": deferred},
         "data_nan_guarded": {"config": {"replay_every": 0, "on_suspect": "raise"}, "steps": 5, "loss_always": True,
                              "nan_rank_at": {"rank": 1, "step": 2}, "guard": True},
+        # A step decided late (deferred) right before a scheduled audit of the next step, in the same end of step.
+        "nan_then_audit": {"config": {"replay_every": 2}, "steps": 5, "loss_always": True, "guard": True,
+                           "nan_rank_at": {"rank": 1, "step": 1}},
         "data_nan_unguarded": {"config": {"replay_every": 0}, "steps": 5, "loss_always": True,
                                "nan_rank_at": {"rank": 1, "step": 2}},
         "hw_nan_unguarded": {"config": {"replay_every": 0}, "steps": 5, "loss_always": True,
@@ -259,6 +262,17 @@ def test_the_guard_keeps_a_data_nan_out_of_the_weights(three_ranks: dict[str, An
         assert all(torch.equal(r["weights"][n], guarded[0]["weights"][n]) for n in r["weights"])
         assert r["counts"]["grad_local"].get("pass", 0) >= 4 and not r["errors"]
     assert not any(r["weights_finite"] for r in three_ranks["data_nan_unguarded"])
+
+
+def test_a_late_audit_before_the_next_steps_scheduled_audit_leaves_it_intact(three_ranks: dict[str, Any]) -> None:
+    """A NaN batch at step 1, the scheduled audit at step 2: read one step late, step 1's replay runs at the end of
+    step 2, just before step 2's own audit, which still passes (the recomputation touched nothing it reads)."""
+    per_rank = three_ranks["nan_then_audit"]
+    _same_everywhere(per_rank)
+    for r in per_rank:
+        assert [(i["step"], i["check"], i["suspect_ranks"], i["evidence"]["verdict"]) for i in r["incidents"]] == \
+            [(1, "grad_local", [], "data")]
+        assert r["counts"]["replay"] == {"pass": 3} and not r["errors"]
 
 
 def test_without_the_guard_a_late_replay_never_pages_what_it_cannot_decide(three_ranks: dict[str, Any]) -> None:
