@@ -99,7 +99,8 @@ class StepMeasurer:
                         grad_check.reduced_norms(self._params, self.device, view=layout.local)
                     reduced_norm = torch.linalg.vector_norm(per_param)
                     reduced_s = time.perf_counter() - t
-                    host[S.REDUCED_MEASURED] = int(any(p.grad is not None for p in self._params))
+                    # Reduced this step: the reduction's tap ran (stale .grad from an earlier step is not a pass).
+                    host[S.REDUCED_MEASURED] = int(record.measured and any(p.grad is not None for p in self._params))
                     nonfinite[1] = ~torch.isfinite(reduced_norm)
                     norms[1] = reduced_norm
             host[S.REPLAYABLE] = int(self._replay is not None and self._replay.ready())

@@ -100,6 +100,17 @@ class SDCMonitor:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no parameters that require gradients: nothing to check")
+        meta = [n for n, p in named if getattr(p, "_local_tensor", p).is_meta]
+        if meta:
+            raise ValueError(f"the model's parameters are on the meta device ({meta[0]!r} and {len(meta) - 1} more): "
+                             "materialize them (model.to_empty(device=...) and initialize) before building the "
+                             "monitor")
+        embeddings = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+        sparse = [n for n, m in layout.module.named_modules() if isinstance(m, embeddings) and m.sparse
+                  and any(p.requires_grad for p in m.parameters(recurse=False))]
+        if sparse:
+            raise ValueError(f"module {sparse[0]!r} makes sparse gradients (sparse=True), which the gradient checks "
+                             "and fingerprints do not read: build it with sparse=False")
         self._params = [p for _, p in named]
         self._names = [n for n, _ in named]
         self.device = self._params[0].device

@@ -85,7 +85,14 @@ class StepContext:
         self.index = self._monitor.open_step()
         self._active = True
         if self._batch is not NO_BATCH:
-            self.micro_batch(self._batch)
+            try:
+                self.micro_batch(self._batch)
+            except BaseException:
+                # ``with`` never calls __exit__ when __enter__ raises: close the step here (abandoned on this rank),
+                # so that the next monitor.step() opens normally.
+                self._active = False
+                self._monitor.abandon_step()
+                raise
         return self
 
     def end(self) -> None:

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import difflib
+import ipaddress
+import logging
 import os
+import re
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-__all__ = ["SDCConfig", "DEFAULT_METRICS_PORT", "http_url_problem"]
+__all__ = ["SDCConfig", "DEFAULT_METRICS_PORT", "http_url_problem", "host_problem"]
+
+log = logging.getLogger("sdc_telemetry")
 
 # 9100 is node_exporter, 9400 dcgm-exporter, 9464 the OpenTelemetry exporters' default: stay clear of all three.
 # Rank ports are base + local_rank, so 9860-9867 on an 8-GPU node.
@@ -93,23 +99,35 @@ class SDCConfig:
         for name in ("metrics_host", "job_name"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"SDCConfig.{name} must be a non-empty string, got {getattr(self, name)!r}")
-        if self.otlp_endpoint is not None and not str(self.otlp_endpoint).startswith(("http://", "https://")):
-            raise ValueError(f"SDCConfig.otlp_endpoint must be an http(s) URL or None, got {self.otlp_endpoint!r}")
+        problem = host_problem(self.metrics_host)
+        if problem is not None:
+            raise ValueError(f"SDCConfig.metrics_host must be the address or host name of an interface to bind "
+                             f"(0.0.0.0, ::, 127.0.0.1, node-7.cluster): {problem}, got {self.metrics_host!r}")
+        if self.otlp_endpoint is not None:
+            problem = http_url_problem(self.otlp_endpoint)
+            if problem is not None:
+                raise ValueError(f"SDCConfig.otlp_endpoint must be an http(s) URL with a host "
+                                 f"(http://collector:4318/v1/metrics) or None: {problem}, got {self.otlp_endpoint!r}")
         if self.alertmanager_url is not None:
             problem = http_url_problem(self.alertmanager_url)
             if problem is not None:
                 raise ValueError(f"SDCConfig.alertmanager_url must be the http(s) base URL of an Alertmanager "
                                  f"(http://alertmanager:9093) or None: {problem}, got {self.alertmanager_url!r}")
-        if self.incident_dir is not None and not isinstance(self.incident_dir, (str, os.PathLike)):
-            raise ValueError(f"SDCConfig.incident_dir must be a path or None, got {self.incident_dir!r}")
+        if self.incident_dir is not None and (not isinstance(self.incident_dir, (str, os.PathLike))
+                                              or not os.fspath(self.incident_dir).strip()):
+            raise ValueError(f"SDCConfig.incident_dir must be a non-empty path or None, got {self.incident_dir!r}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> SDCConfig:
         """Build a config from ``SDC_<FIELD>`` variables (``SDC_REPLAY_EVERY=50``, ``SDC_METRICS_PORT=none``).
 
-        Keyword ``overrides`` win over the environment. A malformed variable raises ``ValueError`` naming it.
+        Keyword ``overrides`` win over the environment. A malformed variable raises ``ValueError`` naming it; an
+        ``SDC_*`` variable that is neither a field nor one of the package's other variables (``SDC_HOST_NAME``,
+        ``SDC_NUMERICS_SIGNATURE``, ``SDC_STATE_DIR``, ``SDC_DEMO_*``) is named in one warning (a typo such as
+        ``SDC_ONSUSPECT`` would otherwise be ignored silently).
         """
         env = os.environ if environ is None else environ
+        _warn_unknown(env)
         values: dict[str, Any] = {}
         for f in fields(cls):
             var = f"SDC_{f.name.upper()}"
@@ -120,9 +138,45 @@ class SDCConfig:
         return cls(**values)
 
 
+# Variables the package reads that are not SDCConfig fields.
+OTHER_VARIABLES = ("SDC_HOST_NAME", "SDC_NUMERICS_SIGNATURE", "SDC_STATE_DIR")
+OTHER_PREFIXES = ("SDC_DEMO_",)
+
+
+def _warn_unknown(env: Mapping[str, str]) -> None:
+    known = {f"SDC_{f.name.upper()}" for f in fields(SDCConfig)}
+    unknown = sorted(v for v in env if v.startswith("SDC_") and v not in known and v not in OTHER_VARIABLES
+                     and not v.startswith(OTHER_PREFIXES))
+    if not unknown:
+        return
+    hints = []
+    for v in unknown:
+        close = difflib.get_close_matches(v, sorted(known), n=1, cutoff=0.8)
+        hints.append(f"{v} (did you mean {close[0]}?)" if close else v)
+    log.warning("sdc_telemetry: ignoring environment variables that are not SDCConfig fields: %s", ", ".join(hints))
+
+
+_HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+
+
+def host_problem(host: object) -> str | None:
+    """What is wrong with ``host`` as an address or host name to bind (None when nothing is): an IPv4 or IPv6
+    literal, or a host name of letters, digits and hyphens in dot-separated labels."""
+    if not isinstance(host, str) or not host:
+        return "empty or not a string"
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return None
+    except ValueError:
+        pass
+    if len(host) > 253 or not all(_HOST_LABEL.match(label) for label in host.rstrip(".").split(".")):
+        return "neither an IP address nor a host name (letters, digits, hyphens, dots)"
+    return None
+
+
 def http_url_problem(url: object) -> str | None:
-    """What is wrong with ``url`` as the base URL of an HTTP service (None when nothing is): it must be a string
-    with an ``http``/``https`` scheme, a host, a valid port if any, and no whitespace, control characters, query or
+    """What is wrong with ``url`` as the URL of an HTTP service (None when nothing is): it must be a string with an
+    ``http``/``https`` scheme, a host, a valid port if any, and no whitespace, control characters, query or
     fragment."""
     if not isinstance(url, str):
         return f"not a string ({type(url).__name__})"

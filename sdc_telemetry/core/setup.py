@@ -52,7 +52,8 @@ def agree_setup(group: dist.ProcessGroup | None, distributed: bool, config: SDCC
     high, low = agree(vec.to(device), group)
     writer = dist.get_rank(group) == 0
     if high[1]:
-        msg = log_error or "the first rank of the group could not open SDCConfig.incident_dir"
+        msg = log_error or ("another rank could not set up its sinks (SDCConfig.incident_dir on the first rank of the "
+                            "group, or SDCConfig.metrics_host); its log names which")
         raise ValueError(f"{msg} (every rank stops here)")
     if high[0] != low[0]:
         raise ValueError("SDCConfig's detection settings (" + ", ".join(DETECTION_FIELDS[:-1]) + ") or start_step "

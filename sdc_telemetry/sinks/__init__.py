@@ -52,8 +52,11 @@ class Sinks:
                 incident_log = IncidentLog(config.incident_dir)
             except OSError as e:
                 log_error = f"SDCConfig.incident_dir={config.incident_dir!r} is not usable: {e}"
-        sinks = cls(observer if observer is not None else _telemetry(config, identity, registry, meter_provider, nvml),
-                    incident_log=incident_log, writer=writer, log_error=log_error)
+        telemetry = observer if observer is not None else _telemetry(config, identity, registry, meter_provider, nvml)
+        # A metrics_host no interface of this machine has (or that does not resolve) is a configuration error, agreed
+        # at set-up like the incident log's; a port already in use is not (the endpoint is skipped, training goes on).
+        log_error = log_error or getattr(telemetry, "setup_error", None)
+        sinks = cls(telemetry, incident_log=incident_log, writer=writer, log_error=log_error)
         if config.alertmanager_url and writer:
             sinks.pager = _pager(config, sinks.observer)
         return sinks

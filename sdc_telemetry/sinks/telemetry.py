@@ -111,6 +111,7 @@ class Telemetry(Observer):
         self.identity = identity
         self.registry = registry if registry is not None else prometheus_client.CollectorRegistry()
         self.port: int | None = None  # the port the endpoint listens on, once it does
+        self.setup_error: str | None = None  # a metrics_host this machine cannot bind (refused at set-up)
         self._closed = False
         self._server: _Server | None = None
         self._server_thread: threading.Thread | None = None
@@ -301,6 +302,11 @@ class Telemetry(Observer):
                 raise OSError(errno.EINVAL, f"port {port} is above 65535")
             self._server, self._server_thread, self._wake = _start_endpoint(host, port, self.registry)
         except Exception as e:  # noqa: BLE001 - no endpoint, but training goes on
+            if isinstance(e, socket.gaierror) or (isinstance(e, OSError) and e.errno == errno.EADDRNOTAVAIL):
+                # Not this machine's address: the monitor refuses at set-up on every rank, naming the field.
+                self.setup_error = (f"SDCConfig.metrics_host={host!r} cannot be bound on this machine ({e}): give "
+                                    "an address of one of its interfaces, 0.0.0.0 for all, or metrics_port=None")
+                return
             self.internal_error("exporter")
             in_use = isinstance(e, OSError) and e.errno == errno.EADDRINUSE
             suggestion = _free_base(host, base, self.identity.local_rank)

@@ -24,7 +24,9 @@ def test_defaults_are_production_ready() -> None:
     ("weights_every", -1), ("replay_every", 1.5), ("replay_every", True), ("grad_checks", "yes"),
     ("mode", "fuzzy"), ("tolerance", 0.0), ("tolerance", 2.0), ("tolerance", "big"), ("on_suspect", "panic"),
     ("metrics_port", 70000), ("metrics_port", 0), ("metrics_host", ""), ("otlp_endpoint", "collector:4318"),
-    ("job_name", ""), ("nvml", 1), ("verdicts", "later"), ("verdicts", None),
+    ("job_name", ""), ("nvml", 1), ("verdicts", "later"), ("verdicts", None), ("otlp_endpoint", "http://"),
+    ("otlp_endpoint", "http://otel:4318/v1/metrics?x=1"), ("incident_dir", ""), ("incident_dir", "  "),
+    ("metrics_host", "not a host!"), ("metrics_host", "-bad.example"), ("metrics_host", "a..b"),
 ])
 def test_bad_values_raise_naming_the_field(field: str, value: object) -> None:
     """Each invalid value raises ValueError whose message names the field."""
@@ -86,3 +88,25 @@ def test_numerics_signature_sees_the_settings_that_choose_kernels(monkeypatch) -
     finally:
         torch.use_deterministic_algorithms(False)
     assert resolve_mode(auto, [1, 2], cpu, False) == "tolerance"  # mixed stacks: tolerance whatever the device
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "127.0.0.1", "[::1]", "localhost", "node-7.cluster", "gpu07."])
+def test_interface_addresses_and_host_names_are_accepted(host: str) -> None:
+    """metrics_host takes IP literals and host names (whether this machine can bind it is checked at set-up)."""
+    assert SDCConfig(metrics_host=host).metrics_host == host
+
+
+def test_unknown_sdc_variables_are_named_in_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """A typo such as SDC_ONSUSPECT is named (with the field it resembles) instead of ignored silently; the
+    package's other variables are not."""
+    env = {"SDC_ONSUSPECT": "raise", "SDC_FOO": "1", "SDC_HOST_NAME": "n1", "SDC_STATE_DIR": "/x",
+           "SDC_DEMO_STEPS": "3", "SDC_REPLAY_EVERY": "5"}
+    with caplog.at_level("WARNING", logger="sdc_telemetry"):
+        c = SDCConfig.from_env(env)
+    assert c.replay_every == 5 and c.on_suspect == "record"
+    [record] = [r for r in caplog.records if "not SDCConfig fields" in r.getMessage()]
+    assert record.getMessage().endswith("SDC_FOO, SDC_ONSUSPECT (did you mean SDC_ON_SUSPECT?)")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="sdc_telemetry"):
+        SDCConfig.from_env({"SDC_HOST_NAME": "n1", "SDC_REPLAY_EVERY": "5"})
+    assert not caplog.records

@@ -243,3 +243,73 @@ def test_skip_nonfinite_updates_skips_the_update_as_a_grad_scaler_would(verdicts
             other.skip_nonfinite_updates()
         finally:
             other.close()
+
+
+def test_models_the_checks_cannot_read_are_refused_at_construction() -> None:
+    """A meta-device model (not materialized yet) and a sparse-gradient embedding are refused when the monitor is
+    built, naming the parameter or module, instead of failing at the end of the first step."""
+    with torch.device("meta"):
+        meta = nn.Linear(4, 2)
+    with pytest.raises(ValueError, match=r"meta device .*'weight'.*to_empty"):
+        sdc.SDCMonitor(meta, torch.optim.SGD(meta.parameters(), lr=0.1), config=sdc.SDCConfig(**OFF))
+    sparse = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="module '0' makes sparse gradients"):
+        sdc.SDCMonitor(sparse, torch.optim.SGD(sparse.parameters(), lr=0.1), config=sdc.SDCConfig(**OFF))
+
+
+def test_a_metrics_host_this_machine_cannot_bind_is_refused_at_set_up() -> None:
+    """An address of no local interface is a configuration error naming metrics_host (a busy port is not: the
+    endpoint is then skipped and training goes on)."""
+    model = nn.Linear(4, 2)
+    with pytest.raises(ValueError, match=r"SDCConfig\.metrics_host='192\.0\.2\.7' cannot be bound"):
+        sdc.SDCMonitor(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                       config=sdc.SDCConfig(metrics_host="192.0.2.7", metrics_port=29871, nvml=False))
+
+
+def test_a_step_whose_entry_raised_is_closed_and_the_next_one_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registering the step's batch raises while the step opens (before the block runs; a batch the replay cannot
+    ship does this): the step is closed on this rank, and the next monitor.step() opens and checks normally."""
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = sdc.SDCMonitor(model, opt, config=sdc.SDCConfig(**OFF))
+
+    def refuse(batch: object) -> None:
+        raise TypeError("the batch holds an object the replay cannot ship")
+
+    monkeypatch.setattr(monitor, "capture", refuse)
+    with pytest.raises(TypeError, match="cannot ship"):
+        with monitor.step(torch.ones(2, 4)):
+            pass
+    monkeypatch.undo()
+    x = torch.ones(3, 4)
+    with monitor.step(x) as step:
+        step.backward(model(x).sum())
+    assert step.finite and monitor.current_step == 1
+    monitor.close()
+
+
+class _Results(sdc.Observer):
+    def __init__(self) -> None:
+        self.results: list[dict[str, str]] = []
+
+    def report(self, report: sdc.StepReport) -> None:
+        self.results.append(dict(report.results))
+
+
+def test_a_step_without_backward_is_skipped_not_passed(one_rank: None) -> None:
+    """A step whose block ran no backward measured nothing: grad_local (and grad_reduced) count skipped, in one
+    process and under DDP, also while .grad still holds an earlier step's gradients."""
+    for wrap in (False, True):
+        model: nn.Module = nn.Linear(4, 2)
+        model = DistributedDataParallel(model) if wrap else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        seen = _Results()
+        monitor = sdc.SDCMonitor(model, opt, config=sdc.SDCConfig(replay_every=0, **OFF), observer=seen)
+        x = torch.ones(3, 4)
+        with monitor.step(x) as step:
+            step.backward(model(x).sum())
+        with monitor.step(x):  # no backward; .grad still holds the first step's
+            pass
+        monitor.close()
+        first, second = seen.results
+        assert set(first.values()) == {"pass"} and set(second.values()) == {"skipped"}, (wrap, seen.results)
