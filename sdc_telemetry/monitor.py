@@ -609,6 +609,8 @@ class SDCMonitor:
             self.sinks.opened(incident)
         for incident in touched:
             self.sinks.touched(incident)
+        for incident in self._episodes.closed:
+            self.sinks.closed(incident)
         mine = [i for i in opened if self.rank in i.suspect_ranks]
         self.sinks.report(StepReport(
             step=m.step, counts_step=counts_step, results=results, durations=durations,

@@ -34,6 +34,7 @@ class Episodes:
         self._max = max_incidents
         self._open: dict[str, tuple[tuple[tuple[int, ...], bool], Incident]] = {}
         self.dropped = 0
+        self.closed: list[Incident] = []  # the episodes the last observe() ended (a pass, or another finding)
 
     def current(self, check: str) -> Incident | None:
         """The open episode of ``check``, if any."""
@@ -54,12 +55,13 @@ class Episodes:
         diverge."""
         opened: list[Incident] = []
         repeated: list[Incident] = []
+        self.closed = []
         by_check = {f.check: f for f in findings}
         for check in CHECKS:
             finding = by_check.get(check)
             if finding is None:
-                if check in passed:
-                    self._open.pop(check, None)
+                if check in passed and (ended := self._open.pop(check, None)) is not None:
+                    self.closed.append(ended[1])
                 continue
             key = (finding.suspect_ranks, finding.evidence.get("verdict") in ("numerics", "data"))
             entry = self._open.get(check)
@@ -70,6 +72,8 @@ class Episodes:
                 if milestone(incident.count):
                     repeated.append(incident)
                 continue
+            if entry is not None:
+                self.closed.append(entry[1])  # another finding of this check ends the episode it replaces
             incident = Incident(step=step, check=check, suspect_ranks=finding.suspect_ranks,
                                 suspects=identify(finding.suspect_ranks), evidence=dict(finding.evidence))
             self._open[check] = (key, incident)

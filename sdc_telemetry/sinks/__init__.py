@@ -82,6 +82,13 @@ class Sinks:
         if self.pager is not None and incident.suspect_ranks:
             self.guard("alertmanager", self.pager.page, incident)
 
+    def closed(self, incident: Incident) -> None:
+        """An episode ended (its check passed on every rank, or another finding replaced it): the pager resolves
+        its alert and stops re-sending it."""
+        resolve = getattr(self.pager, "resolve", None)
+        if resolve is not None and incident.suspect_ranks:
+            self.guard("alertmanager", resolve, incident)
+
     def report(self, report: StepReport) -> None:
         self.guard("telemetry", self.observer.report, report)
 

@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -367,3 +367,118 @@ def test_page_carries_each_suspects_mesh_coordinate(recorder: _Recorder) -> None
     expected = alerts.suspect_alert("replay", {"host_name": "node-b", "rank": 2, "local_rank": 2, "hw_id": "GPU-2"},
                                     "llm")
     assert body[0]["labels"] == expected["labels"]
+
+
+def test_a_4xx_other_than_429_is_logged_once_and_not_retried(recorder: _Recorder,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """Alertmanager refusing a post (400: the same post would be refused again) costs one POST per page and an error
+    line, not an outage's retries; a 429 (too many requests) is retried like an outage."""
+    recorder.status = 400
+    pusher = AlertmanagerPusher(recorder.url, "llm", retry_initial_s=0.01, retry_max_s=0.02)
+    with caplog.at_level(logging.ERROR, logger="sdc_telemetry"):
+        for step in range(5):
+            pusher.page(Incident(step=step, check="weights", suspect_ranks=(2,), suspects=(SUSPECT,)))
+        _wait(lambda: pusher.refused == 5)
+        time.sleep(0.2)
+    pusher.close(timeout_s=2)
+    assert len(recorder.posts) == 5 and pusher.given_up == 5 and pusher.delivered == 0
+    assert sum("not retried" in r.getMessage() and "HTTP 400" in r.getMessage() for r in caplog.records) == 5
+    recorder.posts.clear()
+    recorder.script = [429, 429]
+    recorder.status = 200
+    retried = AlertmanagerPusher(recorder.url, "llm", retry_initial_s=0.01, retry_max_s=0.02)
+    retried.page(_incident())
+    assert retried.flush(timeout_s=5)
+    retried.close()
+    assert len(recorder.posts) == 3 and retried.delivered == 1 and retried.refused == 0
+
+
+def test_an_accepted_page_is_re_sent_until_resolved(recorder: _Recorder) -> None:
+    """Every resend_s the incident's alerts are posted again with the same startsAt and a later endsAt; resolve()
+    posts them once with endsAt now and stops; close() stops the re-sends of what is still open."""
+    pusher = AlertmanagerPusher(recorder.url, "llm", resend_s=0.1, ttl_s=600)
+    first, second = _incident(), _incident("grad_local")
+    pusher.page(first)
+    pusher.page(second)
+    _wait(lambda: sum(b[0]["labels"]["check"] == "weights" for _, b in recorder.posts) >= 3)
+    weights = [b[0] for _, b in recorder.posts if b[0]["labels"]["check"] == "weights"]
+    assert len({a["startsAt"] for a in weights}) == 1
+    assert weights[-1]["endsAt"] > weights[0]["endsAt"] and pusher.resent >= 2
+    pusher.resolve(first)
+    _wait(lambda: any(b[0]["labels"]["check"] == "weights" and _ends_within(b[0], 5.0) for _, b in recorder.posts))
+    after_resolve = len([1 for _, b in recorder.posts if b[0]["labels"]["check"] == "weights"])
+    time.sleep(0.4)
+    assert len([1 for _, b in recorder.posts if b[0]["labels"]["check"] == "weights"]) == after_resolve
+    assert len([1 for _, b in recorder.posts if b[0]["labels"]["check"] == "grad_local"]) >= 3  # still open
+    pusher.close(timeout_s=2)
+    total = len(recorder.posts)
+    time.sleep(0.3)
+    assert len(recorder.posts) == total
+
+
+def _ends_within(alert: dict[str, Any], seconds: float) -> bool:
+    """The alert's endsAt is at most ``seconds`` from now (a resolving post), not a TTL away."""
+    ends = datetime.fromisoformat(alert["endsAt"].replace("Z", "+00:00"))
+    return (ends - datetime.now(timezone.utc)).total_seconds() <= seconds
+
+
+def test_a_real_alertmanager_restarted_empty_gets_the_page_again(tmp_path: Path) -> None:
+    """A page accepted by a real Alertmanager that then restarts with an empty store (its data lost) is there
+    again within resend_s, firing with the same startsAt; resolve() ends it there."""
+    from sdc_telemetry.ops.stack import ALERTMANAGER_NAMES, _which
+
+    binary = _which(ALERTMANAGER_NAMES)
+    if binary is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("the alertmanager binary is not on PATH (CI=true: a missing binary is a failure)")
+        pytest.skip("the alertmanager binary is not on PATH")
+    import subprocess
+    import urllib.request
+
+    config = tmp_path / "am.yml"
+    config.write_text('route: {receiver: "null"}\nreceivers: [{name: "null"}]\n')
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+
+    def start(data: str) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.path={tmp_path / data}",
+                                 f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=",
+                                 "--log.level=warn"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait(lambda: _ready(url), timeout=30)
+        return proc
+
+    def firing() -> list[dict[str, Any]]:
+        with urllib.request.urlopen(f"{url}/api/v2/alerts?active=true", timeout=5) as r:
+            return [a for a in json.loads(r.read()) if a["labels"].get("alertname") == "SDCWeightFingerprintMismatch"]
+
+    proc = start("data-1")
+    pusher = AlertmanagerPusher(url, "restart-drill", resend_s=1.0)
+    try:
+        pusher.page(_incident())
+        assert pusher.flush(timeout_s=10)
+        [before] = firing()
+        proc.terminate()
+        proc.wait(10)
+        proc = start("data-2")  # a new, empty store: the page is gone until the pager re-sends it
+        assert firing() == []
+        _wait(lambda: len(firing()) == 1, timeout=15)
+        [after] = firing()
+        assert after["startsAt"] == before["startsAt"] and after["labels"]["rank"] == "2"
+        pusher.resolve(_incident())
+        _wait(lambda: firing() == [], timeout=15)
+    finally:
+        pusher.close(timeout_s=2)
+        proc.terminate()
+        proc.wait(10)
+
+
+def _ready(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/-/ready", timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
