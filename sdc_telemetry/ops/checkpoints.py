@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -107,16 +108,53 @@ class Choice:
     notes: list[tuple[str, str]] = field(default_factory=list)
 
 
+MAX_JSON_DEPTH = 32  # a certificate or shard index nests 3 levels; a deeper document is hostile or broken
+
+
+def _regular(path: str | os.PathLike[str], what: str) -> None:
+    """Refuse what is not a regular file (a FIFO would block the read forever, a device never ends)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise CheckpointError(f"cannot read the {what} {os.fspath(path)}: {e.strerror or e}") from e
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else \
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else \
+            "not a regular file"
+        raise CheckpointError(f"the {what} {os.fspath(path)} is {kind}, not a regular file: refused")
+
+
+def _json(text: str, where: str) -> Any:
+    """``json.loads`` with a bound on nesting: a deeper document is refused, never a RecursionError."""
+    try:
+        d = json.loads(text)
+    except RecursionError:
+        raise CheckpointError(f"{where} nests deeper than {MAX_JSON_DEPTH} levels: refused") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{where} is not JSON: {e}") from e
+    stack = [(d, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise CheckpointError(f"{where} nests deeper than {MAX_JSON_DEPTH} levels: refused")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+    return d
+
+
 def read_certificate_file(path: str | os.PathLike[str]) -> WeightCertificate:
     """A certificate from a JSON file holding ``cert.to_dict()`` (or ``{"sdc_certificate": cert.to_dict()}``)."""
+    _regular(path, "certificate")
     try:
         with open(path, encoding="utf-8") as f:
-            d = json.load(f)
+            text = f.read()
     except OSError as e:
         raise CheckpointError(f"cannot read the certificate {os.fspath(path)}: {e.strerror or e}") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:
         raise CheckpointError(f"the certificate {os.fspath(path)} is not JSON: {e}") from e
-    return _certificate(d, f"in {os.fspath(path)}")
+    return _certificate(_json(text, f"the certificate {os.fspath(path)}"), f"in {os.fspath(path)}")
 
 
 def _certificate(d: Any, where: str) -> WeightCertificate:
@@ -137,6 +175,7 @@ def open_checkpoint(path: str | os.PathLike[str], *, certificate: str | os.PathL
         return _open_directory(p, given, key)
     if not p.exists():
         raise CheckpointError("no such file or directory")
+    _regular(p, "checkpoint")
     return _open_file(p, given, key)
 
 
@@ -310,10 +349,7 @@ def _open_safetensors(p: Path, given: WeightCertificate | None, key: str | None)
     if cert is None:
         text = (handle.metadata() or {}).get(CERTIFICATE_KEY)
         if text is not None:
-            try:
-                d = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise CheckpointError(f"the '{CERTIFICATE_KEY}' metadata is not JSON: {e}") from e
+            d = _json(text, f"the '{CERTIFICATE_KEY}' metadata")
             cert = _certificate(d, f"in the '{CERTIFICATE_KEY}' metadata")
         else:
             cert = _sibling_certificate(p.parent, f"no '{CERTIFICATE_KEY}' in the safetensors metadata")
@@ -323,10 +359,12 @@ def _open_safetensors(p: Path, given: WeightCertificate | None, key: str | None)
 
 def _open_index(p: Path, given: WeightCertificate | None, key: str | None) -> Checkpoint:
     _no_key(key, "a sharded checkpoint")
+    _regular(p, "shard index")
     try:
-        index = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"cannot read the shard index {p.name}: {e}") from e
+    index = _json(text, f"the shard index {p.name}")
     weight_map = index.get("weight_map") if isinstance(index, Mapping) else None
     if not isinstance(weight_map, Mapping) or not weight_map or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
@@ -335,8 +373,9 @@ def _open_index(p: Path, given: WeightCertificate | None, key: str | None) -> Ch
     for file in sorted(set(shards.values())):
         if file.parent != p.parent:
             raise CheckpointError(f"the shard index {p.name} names a shard outside its directory: {file.name}")
-        if not file.is_file():
+        if not file.exists():
             raise CheckpointError(f"the shard {file.name} named in {p.name} is missing")
+        _regular(file, f"shard named in {p.name}")
     cert = given if given is not None else _sibling_certificate(p.parent, "")
     if p.name.startswith("model.safetensors") or all(f.suffix == ".safetensors" for f in shards.values()):
         return Checkpoint(path=str(p), format="sharded safetensors", certificate=cert, state=_SafetensorsState(shards))

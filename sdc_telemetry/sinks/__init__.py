@@ -91,6 +91,8 @@ class Sinks:
 
     def report(self, report: StepReport) -> None:
         self.guard("telemetry", self.observer.report, report)
+        if self.incident_log is not None and self.incident_log.held:  # a failed write, written when it can be
+            self.guard("incident_log", self.incident_log.retry)
 
     def gpu_snapshot(self) -> dict[str, object] | None:
         snap: dict[str, object] | None = self.guard("telemetry", self.observer.gpu_snapshot)

@@ -34,10 +34,16 @@ class IncidentLog:
     writing is never taken for one. A failed write (``OSError``: a full disk, a short write, a failed fsync) is cut
     back off and retried ``attempts`` times in all with a short backoff (``backoff_s``, doubling, the lock released
     meanwhile); when every attempt failed the error is raised (the monitor logs it and counts it in
-    ``sdc_internal_errors_total{component="incident_log"}``): a record is never lost silently.
+    ``sdc_internal_errors_total{component="incident_log"}``) and the record is kept, in order, for later: the next
+    write, ``retry()`` (which the monitor calls at each step while records are held, at most every ``retry_s``
+    seconds) and ``close()`` write the held records first, once the disk takes them again. At most ``MAX_HELD``
+    records are held (the oldest is dropped beyond, with an error line): a record is never lost silently.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], *, attempts: int = 4, backoff_s: float = 0.02) -> None:
+    MAX_HELD = 1000
+
+    def __init__(self, directory: str | os.PathLike[str], *, attempts: int = 4, backoff_s: float = 0.02,
+                 retry_s: float = 5.0) -> None:
         if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
             raise ValueError(f"attempts must be an int >= 1, got {attempts!r}")
         if not isinstance(backoff_s, (int, float)) or not 0 <= backoff_s <= 1:
@@ -46,6 +52,9 @@ class IncidentLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.attempts = attempts
         self.backoff_s = float(backoff_s)
+        self.retry_s = float(retry_s)
+        self.held: list[bytes] = []  # records not written yet (every attempt failed), oldest first
+        self._next_retry = 0.0
         self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         self._finalizer = weakref.finalize(self, os.close, self._fd)  # no leaked descriptor without close()
         self.torn: Path | None = None  # the side file of the last repair, if any
@@ -65,7 +74,26 @@ class IncidentLog:
                      "suspect_ranks": list(incident.suspect_ranks), "count": incident.count,
                      "last_step": incident.last_step, "time_unix": time.time()})
 
+    def retry(self) -> None:
+        """Write the held records if the disk takes them now (one attempt, at most every ``retry_s``). Cheap when
+        nothing is held; raises nothing (a failure waits for the next retry)."""
+        if not self.held or self._fd is None or time.monotonic() < self._next_retry:
+            return
+        self._next_retry = time.monotonic() + self.retry_s
+        try:
+            self._drain()
+        except OSError as e:
+            log.debug("sdc_telemetry: %d record(s) for %s still held: %s", len(self.held), self.path, e)
+            return
+        log.warning("sdc_telemetry: wrote the record(s) held after a failed write to %s", self.path)
+
     def close(self) -> None:
+        if self._fd is not None and self.held:
+            try:
+                self._drain()
+            except OSError as e:
+                log.error("sdc_telemetry: %d incident record(s) could not be written to %s before closing: %s",
+                          len(self.held), self.path, e.strerror or e)
         if self._fd is not None:
             self._finalizer()
             self._fd = None
@@ -76,19 +104,32 @@ class IncidentLog:
         if self._fd is None:
             raise RuntimeError(f"incident log {self.path} is closed")
         line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
+        self.held.append(line)  # written after the records held before it: the file keeps their order
+        if len(self.held) > self.MAX_HELD:
+            del self.held[0]
+            log.error("sdc_telemetry: more than %d incident records held for %s: the oldest is dropped",
+                      self.MAX_HELD, self.path)
         for attempt in range(1, self.attempts + 1):
             try:
-                with self._locked():
-                    self._repair()  # a writer that crashed mid-record since: our line starts on a line of its own
-                    self._write_line(line)
+                self._drain()
                 return
             except OSError as e:
                 if attempt == self.attempts:
+                    self._next_retry = time.monotonic() + self.retry_s
                     raise OSError(e.errno, f"writing a record to {self.path} failed {self.attempts} times, the last: "
-                                           f"{e.strerror or e}") from e
+                                           f"{e.strerror or e}; {len(self.held)} record(s) held and written once "
+                                           "the disk takes them") from e
                 log.warning("sdc_telemetry: writing a record to %s failed (%s); retrying (%d of %d)", self.path,
                             e.strerror or e, attempt + 1, self.attempts)
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
+
+    def _drain(self) -> None:
+        """Write the held records in order (lock held for the whole batch); each is removed once written."""
+        with self._locked():
+            self._repair()  # a writer that crashed mid-record since: our line starts on a line of its own
+            while self.held:
+                self._write_line(self.held[0])
+                del self.held[0]
 
     def _write_line(self, line: bytes) -> None:
         """Append ``line`` whole (lock held): on any error the file is cut back to where it was."""

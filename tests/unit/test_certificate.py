@@ -480,3 +480,32 @@ def test_cli_before_step_prints_the_checkpoint_to_resume_from(tmp_path: Path) ->
     assert "chosen" in r.stderr and "after the last audit that passed before the incident (step 250)" in r.stderr
     r = _cli(*paths.values(), "--before-step", "40")
     assert r.returncode == 1 and r.stdout == "" and "no checkpoint to resume from" in r.stderr
+
+
+def test_cli_refuses_what_is_not_a_regular_file_without_blocking(tmp_path: Path) -> None:
+    """A FIFO given as the checkpoint, as --certificate or as a directory's sdc_certificate.json is refused at once
+    (exit 2, naming it), never read: nothing writes to it, so a read would block forever."""
+    import os
+
+    fifo = tmp_path / "pipe.pt"
+    os.mkfifo(fifo)
+    good = _save(tmp_path, {"model": {"w": torch.ones(2)}})
+    cert_fifo = tmp_path / "cert.json"
+    os.mkfifo(cert_fifo)
+    for argv, what in (([str(fifo)], "checkpoint"), ([good, "--certificate", str(cert_fifo)], "certificate")):
+        proc = subprocess.run([sys.executable, "-m", "sdc_telemetry.ops.cli", "verify-checkpoint", *argv],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and f"the {what}" in proc.stderr and "is a FIFO" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def test_cli_refuses_a_deeply_nested_certificate_with_exit_2(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A certificate JSON nested 100,000 levels deep (or merely deeper than the bound) is unusable input: exit 2 with a
+    message, no RecursionError traceback, never reported as a corrupt checkpoint."""
+    good = _save(tmp_path, {"model": {"w": torch.ones(2)}})
+    for depth in (100_000, 40):
+        hostile = tmp_path / f"deep{depth}.json"
+        hostile.write_text("[" * depth + "]" * depth)
+        assert main(["verify-checkpoint", good, "--certificate", str(hostile)]) == 2
+        assert "nests deeper than" in capsys.readouterr().err

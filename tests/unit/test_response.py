@@ -107,7 +107,8 @@ def _records(directory: Path) -> list[dict[str, Any]]:
 
 def test_short_write_is_cut_back_retried_and_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A full disk that keeps writing half a record: each half is removed again, the write is retried `attempts`
-    times, then the error says so, and the file keeps whole lines."""
+    times, then the error says so, and the file keeps whole lines; the record is held and written (in order) with
+    the next one once the disk takes it."""
     log = IncidentLog(tmp_path, attempts=3, backoff_s=0.001)
     log.append(_incident(1))
     real_write = os.write
@@ -118,7 +119,8 @@ def test_short_write_is_cut_back_retried_and_reported(tmp_path: Path, monkeypatc
     monkeypatch.setattr(incident_log.os, "write", real_write)
     log.update(_incident(1))
     log.close()
-    assert [(r["record"], r["step"]) for r in _records(tmp_path)] == [("incident", 1), ("update", 1)]
+    assert [(r["record"], r["step"]) for r in _records(tmp_path)] == [("incident", 1), ("incident", 2),
+                                                                       ("update", 1)]
 
 
 def test_a_write_that_fails_on_a_full_disk_is_retried_until_it_succeeds(tmp_path: Path,
@@ -162,7 +164,7 @@ def test_a_failed_fsync_is_retried_without_duplicating_the_record(tmp_path: Path
 
 def test_a_disk_that_stays_full_raises_after_the_retries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """ENOSPC on every attempt: OSError(ENOSPC) after `attempts` tries (the monitor counts it), earlier lines intact,
-    and the log works again once there is space."""
+    and once there is space the held record is written before the next one."""
     log = IncidentLog(tmp_path, attempts=4, backoff_s=0.001)
     log.append(_incident(1))
 
@@ -177,7 +179,7 @@ def test_a_disk_that_stays_full_raises_after_the_retries(tmp_path: Path, monkeyp
     monkeypatch.undo()
     log.append(_incident(3))
     log.close()
-    assert [r["step"] for r in _records(tmp_path)] == [1, 3]
+    assert [r["step"] for r in _records(tmp_path)] == [1, 2, 3] and not log.held
 
 
 def test_repairs_in_the_same_second_keep_separate_side_files(tmp_path: Path) -> None:
@@ -280,3 +282,28 @@ def test_opening_the_log_never_cuts_a_record_another_process_is_writing(tmp_path
     second.close()
     assert [r["step"] for r in _records(tmp_path)] == [7, 8]
     assert [p.name for p in tmp_path.iterdir()] == ["incidents.jsonl"]
+
+
+def test_a_held_record_is_written_by_retry_or_close_when_space_returns(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """No later incident: the record held after a full disk is written by retry() (at most every retry_s; the
+    monitor calls it at each step while records are held) or at close(), once the disk takes it."""
+    for finish in ("retry", "close"):
+        directory = tmp_path / finish
+        log = IncidentLog(directory, attempts=2, backoff_s=0.001, retry_s=0.05)
+
+        def full(fd: int, data: bytes) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        _fault_writes(monkeypatch, log, full)
+        with pytest.raises(OSError, match="1 record\\(s\\) held"):
+            log.append(_incident(5))
+        log.retry()  # still full (and too early): nothing written, nothing raised
+        assert len(log.held) == 1 and _records(directory) == []
+        monkeypatch.undo()
+        if finish == "retry":
+            time.sleep(0.06)
+            log.retry()
+            assert not log.held and [r["step"] for r in _records(directory)] == [5]
+        log.close()
+        assert [r["step"] for r in _records(directory)] == [5]
