@@ -200,6 +200,12 @@ def add_screen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the workloads' inputs (default: %(default)s)")
     p.add_argument("--drill-fault", default=None, metavar="DEVICE",
                    help="flip one bit in this device's results (index or name, e.g. 1 or cpu-worker:1): a drill")
+    p.add_argument("--drill-kind", choices=("bitflip", "hang", "die"), default="bitflip",
+                   help="what --drill-fault does to its device: flip a bit, hang its worker, or kill it "
+                        "(default: %(default)s)")
+    p.add_argument("--worker-timeout", type=_duration("--worker-timeout"), default="30m", metavar="DURATION",
+                   help="how long each device's worker may take; a worker still running then is killed and its "
+                        "device named (default: %(default)s)")
     p.add_argument("--dcgm", action="store_true", help="also run 'dcgmi diag -r 3' (where dcgmi is installed)")
     p.add_argument("--host-name", default=None,
                    help="host name recorded in the ledger (default: $SDC_HOST_NAME, else the machine's)")
@@ -229,7 +235,8 @@ def screen(args: argparse.Namespace) -> int:
         try:
             report = run_screen(device_type=args.device_type, cpu_workers=args.cpu_workers, repeat=args.repeat,
                                 seed=args.seed, drill_fault=args.drill_fault, host_name=args.host_name,
-                                progress=progress)
+                                progress=progress, worker_timeout_s=args.worker_timeout,
+                                drill_kind=args.drill_kind)
         except ScreenError as e:
             return fail(str(e).replace("cpu_workers", "--cpu-workers").replace("repeat", "--repeat")
                         .replace("seed", "--seed"))

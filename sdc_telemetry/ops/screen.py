@@ -12,7 +12,12 @@ workloads (matmul in fp32, bf16 and fp16, reductions, a small convolution, an at
 and checks each result against a float64 reference within the precision of its dtype (the known answer, which a
 single device can fail on its own). On a host without CUDA, ``cpu_workers`` worker processes stand in for devices,
 each single-threaded so that their results are bit-identical; ``drill_fault`` flips one bit in one device's results
-for drills. Exit codes of the CLI: 0 consistent, 1 an odd device found, 2 unusable input.
+for drills (``drill_kind="hang"`` or ``"die"`` makes that device's worker hang or be killed instead).
+
+Every device is screened in a worker process of its own, bounded by ``worker_timeout_s``: a worker that hangs (a
+stuck kernel) is killed at the deadline and one that dies (a crash, the OOM killer) is seen at once; either names
+its device as odd (``hung: ...`` or ``died: ...``), and the other devices' results still count. Exit codes of the
+CLI: 0 consistent, 1 an odd device found, 2 unusable input.
 
 Python::
 
@@ -22,8 +27,8 @@ Python::
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
 import socket
@@ -176,16 +181,78 @@ def screen_device(device: str, seed: int, repeat: int, fault: bool) -> dict[str,
     return {"digests": digests, "errors": errors, "seconds": time.monotonic() - start}
 
 
-def _cpu_worker(index: int, seed: int, repeat: int, fault: bool) -> dict[str, Any]:
-    torch.set_num_threads(1)  # one thread: the same summation order in every worker
-    return screen_device("cpu", seed, repeat, fault)
+DRILL_KINDS = ("bitflip", "hang", "die")
+
+
+def _worker(conn: Any, device: str, seed: int, repeat: int, fault: bool, drill: str) -> None:
+    """One device's screen in a process of its own; the result (or the error) goes back through ``conn``."""
+    try:
+        if fault and drill == "hang":
+            time.sleep(1e9)  # a stuck kernel, for drills
+        if fault and drill == "die":
+            os.kill(os.getpid(), 9)  # killed (the OOM killer, a crash), for drills
+        if device == "cpu":
+            torch.set_num_threads(1)  # one thread: the same summation order in every worker
+        conn.send(screen_device(device, seed, repeat, fault and drill == "bitflip"))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which names the device
+        conn.send({"error": f"{type(e).__name__}: {e}"})
+    finally:
+        conn.close()
+
+
+def _run_workers(ctx: Any, devices: Sequence[str], seed: int, repeat: int, fault: int | None, drill: str,
+                 timeout_s: float) -> list[dict[str, Any]]:
+    """Each device's screen in its own process, at once; a worker that hangs past ``timeout_s`` is killed and one
+    that dies is seen when it does: their entries are ``{"failure": why}``."""
+    procs, conns = [], []
+    for i, device in enumerate(devices):
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_worker, args=(child, device, seed, repeat, fault == i, drill),
+                           name=f"sdc-screen-{i}", daemon=True)
+        proc.start()
+        child.close()
+        procs.append(proc)
+        conns.append(parent)
+    out: list[dict[str, Any] | None] = [None] * len(devices)
+    deadline = time.monotonic() + timeout_s
+    waiting = set(range(len(devices)))
+    while waiting:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        multiprocessing.connection.wait([conns[i] for i in waiting] + [procs[i].sentinel for i in waiting],
+                                        timeout=left)
+        for i in sorted(waiting):
+            got = None
+            if conns[i].poll():
+                try:
+                    got = conns[i].recv()
+                except (EOFError, OSError):
+                    got = None  # the worker is gone without a result: how, below
+            if got is not None:
+                out[i] = {"failure": f"failed: {got['error']}"} if "error" in got else got
+                waiting.discard(i)
+            elif not procs[i].is_alive():
+                procs[i].join()
+                code = procs[i].exitcode
+                how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+                out[i] = {"failure": f"died: its worker process ended without a result ({how})"}
+                waiting.discard(i)
+    for i in waiting:
+        procs[i].kill()
+        out[i] = {"failure": f"hung: no result within {timeout_s:g}s; its worker process was killed"}
+    for proc, conn in zip(procs, conns, strict=True):
+        proc.join(5)
+        conn.close()
+    return [o if o is not None else {"failure": "no result"} for o in out]
 
 
 # -- comparing ----------------------------------------------------------------------------------------------------
 
-def _judge(results: list[DeviceResult]) -> tuple[list[str], list[str]]:
-    odd: set[str] = set()
+def _judge(all_results: list[DeviceResult]) -> tuple[list[str], list[str]]:
+    odd: set[str] = {r.device for r in all_results if not r.digests}  # hung or died: named, not compared
     undecided: set[str] = set()
+    results = [r for r in all_results if r.digests]
     for r in results:
         unstable = [w for w in WORKLOADS if len({rep[w] for rep in r.digests}) > 1]
         if unstable:
@@ -217,9 +284,9 @@ def _judge(results: list[DeviceResult]) -> tuple[list[str], list[str]]:
                     r.problems.append(f"{w}: the {len(group)} devices disagree with no majority")
                     undecided.add(r.device)
     undecided -= odd
-    for r in results:
+    for r in all_results:
         r.passed = r.device not in odd and r.device not in undecided
-    order = [r.device for r in results]
+    order = [r.device for r in all_results]
     return [d for d in order if d in odd], [d for d in order if d in undecided]
 
 
@@ -245,18 +312,31 @@ def _resolve_drill(drill_fault: str | int | None, names: Sequence[str]) -> int |
 
 def run_screen(*, device_type: str = "auto", cpu_workers: int = 3, repeat: int = 3, seed: int = 0,
                drill_fault: str | int | None = None, host_name: str | None = None,
-               progress: Callable[[str], None] | None = None) -> ScreenReport:
+               progress: Callable[[str], None] | None = None, worker_timeout_s: float = 1800.0,
+               drill_kind: str = "bitflip") -> ScreenReport:
     """Screen this host's devices (see the module docstring); ScreenError for unusable input.
 
     ``device_type``: ``auto`` (CUDA devices when present, else CPU workers), ``cuda`` or ``cpu``.
+    ``worker_timeout_s``: how long every device's worker may take (all run at once).
     """
     if device_type not in ("auto", "cuda", "cpu"):
         raise ScreenError(f"device type must be auto, cuda or cpu, got {device_type!r}")
+    if drill_kind not in DRILL_KINDS:
+        raise ScreenError(f"drill kind must be one of {', '.join(DRILL_KINDS)}, got {drill_kind!r}")
+    if isinstance(worker_timeout_s, bool) or not isinstance(worker_timeout_s, (int, float)) or \
+            not 0 < worker_timeout_s < float("inf"):
+        raise ScreenError(f"worker_timeout_s must be a number of seconds > 0, got {worker_timeout_s!r}")
     for name, value, low in (("cpu_workers", cpu_workers, 1), ("repeat", repeat, 1), ("seed", seed, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ScreenError(f"{name} must be an integer >= {low}, got {value!r}")
     host = host_name or _host_name()
     use_cuda = device_type == "cuda" or (device_type == "auto" and torch.cuda.is_available())
+    # forkserver: a fresh process imports torch once and forks the workers from it (no threads of this process,
+    # which may have used torch or CUDA already, are inherited; cheaper than one interpreter per worker).
+    ctx = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
+                                      else "spawn")
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(["sdc_telemetry.ops.screen"])
     if use_cuda:
         if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
             raise ScreenError("--device-type cuda: no CUDA device is visible")
@@ -265,31 +345,26 @@ def run_screen(*, device_type: str = "auto", cpu_workers: int = 3, repeat: int =
         count = torch.cuda.device_count()
         names = [f"cuda:{i}" for i in range(count)]
         fault = _resolve_drill(drill_fault, names)
-        results = []
-        for i, name in enumerate(names):
-            if progress:
-                progress(f"screening {name} ({torch.cuda.get_device_name(i)})")
-            out = screen_device(name, seed, repeat, fault == i)
-            results.append(DeviceResult(name, RankIdentity.local(torch.device("cuda", i)).hw_id,
-                                        torch.cuda.get_device_name(i), out["digests"], out["errors"],
-                                        out["seconds"]))
+        if progress:
+            progress(f"screening {count} CUDA device(s): " + ", ".join(
+                f"{name} ({torch.cuda.get_device_name(i)})" for i, name in enumerate(names)))
+        outs = _run_workers(ctx, names, seed, repeat, fault, drill_kind, worker_timeout_s)
+        identity = [(RankIdentity.local(torch.device("cuda", i)).hw_id, torch.cuda.get_device_name(i))
+                    for i in range(count)]
     else:
         names = [f"cpu-worker:{i}" for i in range(cpu_workers)]
         fault = _resolve_drill(drill_fault, names)
         if progress:
             progress(f"screening {cpu_workers} CPU worker process(es) standing in for devices")
-        # forkserver: a fresh process imports torch once and forks the workers from it (no threads of this process,
-        # which may have used torch already, are inherited; cheaper than one interpreter per worker).
-        ctx = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
-                                          else "spawn")
-        if ctx.get_start_method() == "forkserver":
-            ctx.set_forkserver_preload(["sdc_telemetry.ops.screen"])
-        with cf.ProcessPoolExecutor(max_workers=cpu_workers, mp_context=ctx) as pool:
-            futures = [pool.submit(_cpu_worker, i, seed, repeat, fault == i) for i in range(cpu_workers)]
-            outs = [f.result() for f in futures]
+        outs = _run_workers(ctx, ["cpu"] * cpu_workers, seed, repeat, fault, drill_kind, worker_timeout_s)
         model = f"cpu ({torch.backends.cpu.get_cpu_capability()})"
-        results = [DeviceResult(name, f"cpu:{host}:{i}", model, o["digests"], o["errors"], o["seconds"])
-                   for i, (name, o) in enumerate(zip(names, outs, strict=True))]
+        identity = [(f"cpu:{host}:{i}", model) for i in range(cpu_workers)]
+    results = []
+    for name, (hw_id, model), o in zip(names, identity, outs, strict=True):
+        if "failure" in o:
+            results.append(DeviceResult(name, hw_id, model, [], {}, passed=False, problems=[o["failure"]]))
+        else:
+            results.append(DeviceResult(name, hw_id, model, o["digests"], o["errors"], o["seconds"]))
     odd, undecided = _judge(results)
     return ScreenReport(host, seed, repeat, results, odd, undecided)
 

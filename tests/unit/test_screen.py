@@ -85,3 +85,26 @@ def test_cuda_device_repeats_bit_for_bit() -> None:
     out = screen_device("cuda:0", seed=0, repeat=3, fault=False)
     assert out["digests"][0] == out["digests"][1] == out["digests"][2]
     assert all(out["errors"][w] <= WORKLOADS[w][1] for w in WORKLOADS), out["errors"]
+
+
+def test_a_hung_or_killed_worker_names_its_device_in_bounded_time(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A worker that hangs is killed at --worker-timeout and one that is killed is seen at once: either names its
+    device (exit 1, recorded as failed in the ledger) while the other devices' results still count."""
+    import time
+
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    base = ["screen", "--cpu-workers", "3", "--repeat", "1", "--ledger", url, "--host-name", "node-h",
+            "--drill-fault", "2"]
+    for kind, why in (("hang", "hung: no result within 3s"), ("die", "died: its worker process ended without a "
+                                                                     "result (killed by signal 9)")):
+        start = time.monotonic()
+        assert main([*base, "--drill-kind", kind, "--worker-timeout", "3s"]) == 1
+        took = time.monotonic() - start
+        out = capsys.readouterr().out
+        assert f"cpu-worker:2  cpu:node-h:2  ODD: {why}" in out and "ODD DEVICE: cpu-worker:2 (cpu:node-h:2)" in out, out
+        assert "ODD DEVICE: cpu-worker:0" not in out and "ODD DEVICE: cpu-worker:1" not in out
+        assert took < 60, took
+    with Ledger(url) as ledger:
+        got = [(r.device, r.passed) for r in ledger.screens("node-h")]
+    assert got == [("cpu-worker:0", True), ("cpu-worker:1", True), ("cpu-worker:2", False)] * 2
