@@ -33,11 +33,13 @@ def runs(out: Path) -> list[list[str]]:
 
 
 def alert(host: str, *, status: str = "firing", severity: str = "critical", name: str = "SDCWeightFingerprintMismatch",
-          rank: str = "2", hw_id: str | None = None, **extra: str) -> dict[str, Any]:
+          rank: str = "2", hw_id: str | None = None, starts_at: str = "2024-01-01T00:00:00Z",
+          **extra: str) -> dict[str, Any]:
+    """One alert as Alertmanager's webhook sends it; ``starts_at`` tells a new firing from a re-notification."""
     labels = {"alertname": name, "severity": severity, "host_name": host, "rank": rank,
               "hw_id": f"GPU-{rank}" if hw_id is None else hw_id, "service_name": "job", **extra}
     return {"status": status, "labels": labels, "annotations": {"summary": "weights differ"},
-            "startsAt": "2024-01-01T00:00:00Z"}
+            "startsAt": starts_at}
 
 
 def notification(*alerts: dict[str, Any]) -> dict[str, Any]:

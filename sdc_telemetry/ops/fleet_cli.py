@@ -46,8 +46,9 @@ def add_respond_args(p: argparse.ArgumentParser) -> None:
                    help="a host acted on is not acted on again for this long, across restarts (default: 24h)")
     p.add_argument("--dry-run", action="store_true", help="log the command instead of running it (no strike)")
     p.add_argument("--state", default=None, metavar="FILE",
-                   help="JSON file remembering the hosts acted on across restarts (default: respond-state.json next "
-                        "to a SQLite ledger, else in the state directory)")
+                   help="JSON file remembering the hosts acted on across restarts (default: named after the ledger: "
+                        "<ledger file>.respond-state.json next to a SQLite ledger, respond-state-<hash of the URL>"
+                        ".json in the state directory for PostgreSQL); two responders never share one")
     p.add_argument("--ledger", default=None, metavar="URL",
                    help="GPU strike ledger: sqlite:///PATH or postgresql://USER@HOST:PORT/DB (default: "
                         "sqlite:///<state dir>/ledger.sqlite3; state dir: $SDC_STATE_DIR, /var/lib/sdc-telemetry as "
@@ -68,12 +69,24 @@ def add_respond_args(p: argparse.ArgumentParser) -> None:
 
 
 def _state_path(args: argparse.Namespace, ledger_url: str) -> str:
+    """The state file: --state, else named after the ledger, so that responders with different ledgers in one
+    directory never share one (the responder also refuses a state file another responder holds)."""
+    import hashlib
+
     from sdc_telemetry.ops.ledger import default_state_dir, sqlite_path
 
     if args.state:
         return str(args.state)
     db = sqlite_path(ledger_url)
-    return str((db.parent if db is not None else default_state_dir()) / "respond-state.json")
+    if db is not None:
+        return str(db.with_name(db.name + ".respond-state.json"))
+    digest = hashlib.sha256(ledger_url.encode()).hexdigest()[:12]
+    return str(default_state_dir() / f"respond-state-{digest}.json")
+
+
+def _journal_path(state: str, ledger_url: str) -> str | None:
+    """A shared (PostgreSQL) ledger gets a local journal next to the state file: strikes survive its outages."""
+    return None if ledger_url.startswith("sqlite://") else state.removesuffix(".json") + ".journal.sqlite3"
 
 
 def respond(args: argparse.Namespace) -> int:
@@ -109,14 +122,15 @@ def respond(args: argparse.Namespace) -> int:
                 "sdc responder: --bearer-token-file %s is readable by group or others (chmod 600 it)",
                 args.bearer_token_file)
     ledger_url = args.ledger or default_ledger_url()
+    state = _state_path(args, ledger_url)
     try:
         host, port = parse_listen(args.listen)
-        ledger = Ledger(ledger_url)
+        ledger = Ledger(ledger_url, journal=_journal_path(state, ledger_url))
     except (ValueError, LedgerError) as e:
         return fail(str(e))
     try:
         responder = Responder(args.template, host=host, port=port, max_actions_per_hour=args.max_actions_per_hour,
-                              dry_run=args.dry_run, state_file=_state_path(args, ledger_url), timeout_s=args.timeout,
+                              dry_run=args.dry_run, state_file=state, timeout_s=args.timeout,
                               bearer_token=token, insecure_no_auth=args.insecure_no_auth, tls_cert=args.tls_cert,
                               tls_key=args.tls_key, reacquire_after_s=args.reacquire_after, ledger=ledger,
                               replace_command=args.replace_command, strike_window_s=args.strike_window,
@@ -163,28 +177,38 @@ def _when(t: float | None) -> str:
 
 
 def fleet(args: argparse.Namespace) -> int:
+    from sdc_telemetry.ops.labels import safe_text
     from sdc_telemetry.ops.ledger import Ledger, LedgerError, default_ledger_url
 
     url = args.ledger or default_ledger_url()
     try:
-        with Ledger(url) as ledger:
+        with Ledger(url, read_only=True) as ledger:  # listing creates and changes nothing
             gpus = ledger.fleet(window_s=args.strike_window)
             shown = ledger.redacted_url
     except LedgerError as e:
-        print(f"sdc-telemetry fleet: {e}", file=sys.stderr)
+        print(f"sdc-telemetry fleet: {safe_text(str(e))}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps([g.to_dict() for g in gpus], indent=1))
+        print(json.dumps([g.to_dict() for g in gpus], indent=1))  # json escapes control characters itself
         return 0
     if not gpus:
-        print(f"no strikes recorded in {shown}")
+        print(f"no GPU recorded in {safe_text(shown)} (no strike, no screen)")
         return 0
     days = args.strike_window / 86400
+
+    def verdict(g: Any) -> str:
+        if g.strikes_in_window >= 2:
+            return "REPLACE"
+        if g.strikes or g.last_screen == "fail":
+            return "watch"
+        return "ok"
+
     header = ("hw_id", "host_name", f"strikes({days:g}d)", "strikes", "last strike (UTC)", "last alert", "screens",
-              "verdict")
-    rows = [(g.hw_id, g.host_name, str(g.strikes_in_window), str(g.strikes), _when(g.last_strike_at),
-             g.last_alertname or "-", f"{g.screens_passed} pass / {g.screens_failed} fail",
-             "REPLACE" if g.strikes_in_window >= 2 else "watch") for g in gpus]
+              "last screen", "verdict")
+    rows = [tuple(safe_text(c) for c in (
+        g.hw_id, g.host_name, str(g.strikes_in_window), str(g.strikes), _when(g.last_strike_at),
+        g.last_alertname or "-", f"{g.screens_passed} pass / {g.screens_failed} fail",
+        f"{g.last_screen} {_when(g.last_screen_at)}" if g.last_screen else "-", verdict(g))) for g in gpus]
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
     for r in (header, *rows):
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())

@@ -14,6 +14,8 @@ command, and how a command template is parsed and filled in.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import shlex
 from collections.abc import Mapping, Sequence
@@ -136,6 +138,7 @@ class Page:
     job: str | None = None
     step: int | None = None
     check: str | None = None
+    alert_key: str | None = None  # the alert's identity (fingerprint@startsAt): one alert, one strike
 
     def values(self) -> dict[str, str]:
         return {"host_name": self.host_name, "rank": self.rank, "hw_id": self.hw_id, "alertname": self.alertname}
@@ -195,6 +198,18 @@ def triage_body(body: Any) -> Triage:
         step_text = labels.get("step", annotations.get("step"))
         step = int(step_text) if isinstance(step_text, str) and _RANK_RE.fullmatch(step_text) else None
         pages.setdefault(host, Page(host, labels["rank"], labels["hw_id"], name, job=labels.get("service_name"),
-                                    step=step, check=labels.get("check")))
+                                    step=step, check=labels.get("check"), alert_key=alert_key(alert)))
     out.pages = list(pages.values())
     return out
+
+
+def alert_key(alert: dict[str, Any]) -> str:
+    """An alert's identity across deliveries: Alertmanager's ``fingerprint`` (a hash of its labels; computed here
+    from the labels when absent) and its ``startsAt``: the same alert sent to several responders (HA) has the same
+    key; the same labels firing again later do not."""
+    fp = alert.get("fingerprint")
+    if not isinstance(fp, str) or not fp or len(fp) > 64:
+        labels = alert.get("labels") or {}
+        fp = hashlib.sha256(json.dumps(labels, sort_keys=True).encode()).hexdigest()[:16]
+    starts = alert.get("startsAt")
+    return f"{safe_text(fp)}@{safe_text(starts) if isinstance(starts, str) else ''}"[:200]

@@ -44,8 +44,10 @@ registry behind ``/metrics``) and :mod:`sdc_telemetry.ops.respond_state` (the st
 
 from __future__ import annotations
 
+import fcntl
 import hmac
 import logging
+import os
 import shutil
 import socket
 import ssl
@@ -167,6 +169,7 @@ class Responder:
                         "screens_passed": 0, "screens_failed": 0, "ledger_errors": 0}
         self.refused: list[dict[str, Any]] = []  # the most recent refusals, for /healthz and tests
         self._screens: list[threading.Thread] = []
+        self._state_lock = self._lock_state()
         self._load_state()
         self._owns_ledger = not isinstance(ledger, Ledger)
         self.ledger = ledger if isinstance(ledger, Ledger) else Ledger(ledger or "sqlite://")
@@ -179,6 +182,7 @@ class Responder:
         except OSError:
             if self._owns_ledger:
                 self.ledger.close()
+            self._unlock_state()
             raise
         self._server.responder = self
         self._server.tls = tls
@@ -219,6 +223,30 @@ class Responder:
         self._thread.join(timeout=10)
         if self._owns_ledger:
             self.ledger.close()
+        self._unlock_state()
+
+    def _lock_state(self) -> int | None:
+        """Hold an exclusive lock on ``<state_file>.lock`` while serving: two responders writing one state file
+        overwrite each other's memory of the hosts acted on (a restart would drain a host again), so the second
+        is refused, naming the file."""
+        if self._state_file is None:
+            return None
+        self._state_file.parent.mkdir(parents=True, exist_ok=True)
+        path = self._state_file.with_name(self._state_file.name + ".lock")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise ValueError(f"the state file {self._state_file} is in use by another responder: give each "
+                             "responder its own --state (or --ledger, from which the default state file is "
+                             "named)") from None
+        return fd
+
+    def _unlock_state(self) -> None:
+        fd, self._state_lock = getattr(self, "_state_lock", None), None
+        if fd is not None:
+            os.close(fd)  # closing the descriptor releases the lock
 
     def wait_screens(self, timeout: float = 60.0) -> bool:
         """Wait for the screens started so far; True when all finished."""
@@ -320,8 +348,20 @@ class Responder:
             ok = self._run(argv, page, action)
             if ok and not self.dry_run:
                 try:
-                    self.ledger.add_strike(page.hw_id, host_name=host, job=page.job, step=page.step,
-                                           check=page.check, alertname=page.alertname, at=self._clock())
+                    pending = self.ledger.pending
+                    strike = self.ledger.add_strike(page.hw_id, host_name=host, job=page.job, step=page.step,
+                                                    check=page.check, alertname=page.alertname, at=self._clock(),
+                                                    alert_key=page.alert_key)
+                    if strike is None:
+                        log.info("sdc responder: the strike of %s for %s (%s) was already recorded (the same alert "
+                                 "delivered to another responder): one alert, one strike", page.alertname,
+                                 page.hw_id, host)
+                    elif self.ledger.pending > pending:
+                        log.error("sdc responder: the ledger %s cannot take the strike for %s on %s now: kept in the "
+                                  "local journal and replayed when it answers", self.ledger.redacted_url,
+                                  page.hw_id, host)
+                        self._metrics.ledger_errors.inc()
+                        self._count("ledger_errors")
                 except LedgerError as e:
                     log.error("sdc responder: could not record the strike for %s on %s: %s", page.hw_id, host, e)
                     self._metrics.ledger_errors.inc()
@@ -347,13 +387,16 @@ class Responder:
     def _choose(self, page: Page, now: float) -> tuple[str, list[str]]:
         """``("replace", argv)`` when the GPU already has a strike within the window and a replace command is set,
         else ``("command", argv)``."""
+        since = now - self.strike_window_s
         try:
-            prior = self.ledger.count_strikes(page.hw_id, since=now - self.strike_window_s)
-        except LedgerError as e:  # drain anyway: the safe action does not depend on the ledger
-            log.error("sdc responder: cannot read the strikes of %s: %s; running the drain command", page.hw_id, e)
+            # The alert at hand is left out: another responder (Alertmanager HA) may have recorded it already.
+            prior = self.ledger.count_strikes(page.hw_id, since=since, excluding=page.alert_key)
+        except LedgerError as e:  # decide from this responder's own strikes (its journal): the drain never waits
+            prior = self.ledger.count_local_strikes(page.hw_id, since=since, excluding=page.alert_key)
+            log.error("sdc responder: cannot read the strikes of %s: %s; deciding from this responder's own %d "
+                      "strike(s) of it", page.hw_id, e, prior)
             self._metrics.ledger_errors.inc()
             self._count("ledger_errors")
-            prior = 0
         if prior >= 1:
             if self.replace_argv is not None:
                 log.warning("sdc responder: GPU %s on %r has %d earlier strike(s) within %.0f days: running the "

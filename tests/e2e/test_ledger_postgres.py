@@ -15,11 +15,13 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from sdc_telemetry.ops.ledger import Ledger
-from tests._responder import alert, metric, notification, post, recorder_template, request, runs
+from sdc_telemetry.ops.respond import Responder
+from tests._responder import TOKEN, alert, metric, notification, post, recorder_template, request, runs
 from tests.e2e.test_respond import responder_process
 
 pytestmark = pytest.mark.e2e
@@ -59,6 +61,9 @@ def _run_as() -> tuple[str | None, int | None, int | None]:
     return pw.pw_name, pw.pw_uid, pw.pw_gid
 
 
+_SERVER: dict[str, Any] = {}  # stop() and start() of the module's server, for the outage test
+
+
 @pytest.fixture(scope="module")
 def postgres_url() -> Iterator[str]:
     """A PostgreSQL server on a free 127.0.0.1 port, data in a temp dir, stopped afterwards: yields its URL."""
@@ -85,6 +90,12 @@ def postgres_url() -> Iterator[str]:
         text = log.read_text() if log.exists() else ""
         shutil.rmtree(root, ignore_errors=True)
         raise AssertionError(f"PostgreSQL did not start (as {user}): {e.stderr.decode()} {text}") from None
+    def ctl(*cmd: str) -> None:
+        subprocess.run([pg_ctl, "-D", str(data), "-l", str(log), *cmd], check=True, capture_output=True, cwd=root,
+                       env=env, timeout=90, **kw)  # type: ignore[arg-type]
+
+    _SERVER.update(stop=lambda: ctl("-m", "fast", "-w", "stop"),
+                   start=lambda: ctl("-o", opts, "-w", "-t", "60", "start"))
     try:
         yield f"postgresql://sdc@127.0.0.1:{port}/postgres"
     finally:
@@ -150,3 +161,24 @@ def test_responder_on_postgres_runs_replace_on_second_strike(pg_ledger: Ledger, 
     fleet = subprocess.run([sys.executable, "-m", "sdc_telemetry.ops.cli", "fleet", "--ledger", postgres_url],
                            capture_output=True, text=True, check=True, timeout=60)
     assert fleet.stdout.splitlines()[1].split()[:4] == ["GPU-pg", "node-c", "2", "2"]
+
+
+def test_no_strike_is_lost_while_postgres_is_down(pg_ledger: Ledger, postgres_url: str, tmp_path: Path) -> None:
+    """The server stops mid-run: a GPU's second alert during the outage still runs the replace command (decided from
+    the responder's journal) and its strike, kept in the journal, reaches the database once it is back."""
+    replace, replaced = recorder_template(tmp_path, "replaced", " replace {host_name} {hw_id}")
+    drain, drained = recorder_template(tmp_path, "drained", " drain {host_name} {hw_id}")
+    journal = tmp_path / "state.journal.sqlite3"
+    with Ledger(postgres_url, journal=journal) as ledger, \
+            Responder(drain, ledger=ledger, replace_command=replace, bearer_token=TOKEN) as r:
+        assert post(r.url, notification(alert("node-o", hw_id="GPU-o")))[1]["acted"] == ["node-o"]
+        _SERVER["stop"]()
+        try:
+            during = alert("node-p", hw_id="GPU-o", starts_at="2024-01-05T00:00:00Z")
+            assert post(r.url, notification(during))[1]["replaced"] == ["node-p"]
+            assert ledger.pending == 1
+        finally:
+            _SERVER["start"]()
+        assert ledger.count_strikes("GPU-o") == 2 and ledger.pending == 0  # replayed on the first use
+    assert runs(drained) == [["drain", "node-o", "GPU-o"]] and runs(replaced) == [["replace", "node-p", "GPU-o"]]
+    assert [s.host_name for s in pg_ledger.strikes("GPU-o")] == ["node-o", "node-p"]

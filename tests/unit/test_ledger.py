@@ -110,8 +110,65 @@ def test_fleet_cli_prints_gpus_by_strikes(url: str, capsys: pytest.CaptureFixtur
 
 
 def test_fleet_cli_empty_and_bad_ledger(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """An empty ledger says so (exit 0); a bad URL exits 2."""
+    """An empty ledger says so (exit 0); a path with no ledger exits 2 and is not created (fleet only reads); a bad
+    URL exits 2."""
+    Ledger(f"sqlite:///{tmp_path / 'e.db'}").close()
     assert main(["fleet", "--ledger", f"sqlite:///{tmp_path / 'e.db'}"]) == 0
-    assert "no strikes" in capsys.readouterr().out
+    assert "no GPU recorded" in capsys.readouterr().out
+    missing = tmp_path / "sub" / "none.db"
+    assert main(["fleet", "--ledger", f"sqlite:///{missing}"]) == 2
+    assert "no SQLite ledger at" in capsys.readouterr().err and not missing.parent.exists()
     assert main(["fleet", "--ledger", "nosuch://x"]) == 2
     assert "sqlite:///PATH" in capsys.readouterr().err
+
+
+def test_fleet_reads_only_escapes_what_it_prints_and_lists_screened_gpus(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """fleet changes nothing in the ledger file (same bytes after), prints control characters from the ledger
+    escaped, and lists a GPU whose screen failed although it has no strike yet, with its last screen."""
+    path = tmp_path / "l.db"
+    with Ledger(f"sqlite:///{path}") as ledger:
+        ledger.add_strike("GPU-a", host_name="n1\x1b[31mred", alertname="SDCReplayMismatch")
+        ledger.record_screen(host_name="n2", device="cuda:0", hw_id="GPU-s", passed=False, detail="odd")
+        ledger.record_screen(host_name="n3", device="cuda:0", hw_id="GPU-ok", passed=True)
+    before = path.read_bytes()
+    assert main(["fleet", "--ledger", f"sqlite:///{path}"]) == 0
+    out = capsys.readouterr().out
+    assert path.read_bytes() == before
+    assert "\x1b" not in out and "n1\\x1b[31mred" in out
+    rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert set(rows) == {"GPU-a", "GPU-s", "GPU-ok"}
+    assert "fail" in rows["GPU-s"] and rows["GPU-s"].rstrip().endswith("watch")
+    assert rows["GPU-ok"].rstrip().endswith("ok") and rows["GPU-a"].split()[2:4] == ["1", "1"]
+
+
+def test_one_alert_is_one_strike_and_counting_leaves_it_out(tmp_path: Path) -> None:
+    """The same alert (same alert key) recorded by two responders sharing one ledger is one strike; counting a GPU's
+    earlier strikes leaves out the alert at hand; a later alert of the same GPU is a second strike."""
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    with Ledger(url) as a, Ledger(url) as b:
+        assert a.add_strike("GPU-x", host_name="n1", alert_key="fp1@t0") is not None
+        assert b.count_strikes("GPU-x", excluding="fp1@t0") == 0  # the peer's strike of this same alert
+        assert b.add_strike("GPU-x", host_name="n1", alert_key="fp1@t0") is None
+        assert a.count_strikes("GPU-x") == 1
+        assert b.add_strike("GPU-x", host_name="n1", alert_key="fp1@t9") is not None
+        assert a.count_strikes("GPU-x", excluding="fp1@t9") == 1
+
+
+def test_a_ledger_from_before_alert_keys_is_migrated(tmp_path: Path) -> None:
+    """A ledger file written without the alert_key column gets it (and its unique index) when opened."""
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE sdc_strikes (id INTEGER PRIMARY KEY AUTOINCREMENT, hw_id TEXT NOT NULL, host_name "
+                 "TEXT NOT NULL, job TEXT, step BIGINT, check_name TEXT, alertname TEXT, at DOUBLE PRECISION NOT "
+                 "NULL)")
+    conn.execute("INSERT INTO sdc_strikes (hw_id, host_name, at) VALUES ('GPU-o', 'n', 1.0)")
+    conn.commit()
+    conn.close()
+    with Ledger(f"sqlite:///{path}") as ledger:
+        assert ledger.count_strikes("GPU-o") == 1
+        assert ledger.add_strike("GPU-o", host_name="n", alert_key="k@1") is not None
+        assert ledger.add_strike("GPU-o", host_name="n", alert_key="k@1") is None
+        assert [s.alert_key for s in ledger.strikes("GPU-o")] == [None, "k@1"]

@@ -294,12 +294,16 @@ def test_second_strike_in_the_window_runs_the_replace_command(recorder: tuple[st
         a = alert("node-b", rank="3", hw_id="GPU-aa", check="weights", step="1200")
         assert post(r, notification(a))[1]["acted"] == ["node-b"]
         clock.now += 61
-        outcome = post(r, notification(a))[1]
+        again = alert("node-b", rank="3", hw_id="GPU-aa", check="weights", step="1200",
+                      starts_at="2024-01-01T00:05:00Z")  # the GPU fails again: a new alert
+        outcome = post(r, notification(again))[1]
         assert outcome["acted"] == ["node-b"] and outcome["replaced"] == ["node-b"]
         clock.now += 86400  # the first strike leaves the window; the second is still in it
         assert post(r, notification(alert("node-c", hw_id="GPU-bb")))[1]["replaced"] == []
         clock.now += 86400 + 61
-        assert post(r, notification(a))[1]["replaced"] == []  # both earlier strikes outside the window
+        later = alert("node-b", rank="3", hw_id="GPU-aa", check="weights", step="1200",
+                      starts_at="2024-01-02T00:06:00Z")
+        assert post(r, notification(later))[1]["replaced"] == []  # both earlier strikes outside the window
         text = request(r.url, "GET", "/metrics")[1]
         assert metric(text, "sdc_responder_actions_total", action="replace") == 1
         assert metric(text, "sdc_responder_actions_total", action="command") == 3
@@ -537,3 +541,42 @@ def test_default_state_dir_follows_env(monkeypatch: pytest.MonkeyPatch, tmp_path
     monkeypatch.setenv("SDC_STATE_DIR", str(tmp_path))
     assert default_ledger_url() == f"sqlite:///{tmp_path}/ledger.sqlite3"
     assert os.path.isabs(default_ledger_url()[len("sqlite:///"):])
+
+
+def test_one_alert_delivered_to_two_responders_on_one_ledger_is_one_strike(recorder: tuple[str, Path],
+                                                                          tmp_path: Path) -> None:
+    """Alertmanager HA sends the same alert (same fingerprint and startsAt) to both responders sharing one ledger:
+    one strike, and neither runs the replace command for it; the GPU's next alert is its second strike."""
+    replace, replaced = recorder_template(tmp_path, "replaced", " replace {host_name} {hw_id}")
+    url = f"sqlite:///{tmp_path / 'shared.sqlite3'}"
+    same = {**alert("node-h", hw_id="GPU-ha"), "fingerprint": "5a1e7c0ffee"}
+    with Ledger(url) as ledger_a, Ledger(url) as ledger_b, \
+            Responder(recorder[0], ledger=ledger_a, replace_command=replace, bearer_token=TOKEN) as a, \
+            Responder(recorder[0], ledger=ledger_b, replace_command=replace, bearer_token=TOKEN) as b:
+        assert post(a, notification(same))[1]["acted"] == ["node-h"]
+        assert post(b, notification(same))[1]["replaced"] == []
+        assert ledger_a.count_strikes("GPU-ha") == 1
+        second = {**alert("node-h2", hw_id="GPU-ha", starts_at="2024-01-03T00:00:00Z"), "fingerprint": "beef"}
+        assert post(b, notification(second))[1]["replaced"] == ["node-h2"]
+        assert ledger_b.count_strikes("GPU-ha") == 2
+    assert runs(replaced) == [["replace", "node-h2", "GPU-ha"]]
+
+
+def test_two_responders_cannot_share_one_state_file(recorder: tuple[str, Path], tmp_path: Path) -> None:
+    """The second responder given the state file another one holds is refused at start, naming the file; the
+    CLI's default state files are named after the ledger, so ledgers in one directory get their own."""
+    import argparse
+
+    from sdc_telemetry.ops.fleet_cli import _state_path
+
+    state = tmp_path / "state.json"
+    with Responder(recorder[0], state_file=state, bearer_token=TOKEN):
+        with pytest.raises(ValueError, match="state.json is in use by another responder"):
+            Responder(recorder[0], state_file=state, bearer_token=TOKEN)
+    with Responder(recorder[0], state_file=state, bearer_token=TOKEN):
+        pass  # released when the first closed
+    none = argparse.Namespace(state=None)
+    a = _state_path(none, f"sqlite:///{tmp_path / 'a.sqlite3'}")
+    b = _state_path(none, f"sqlite:///{tmp_path / 'b.sqlite3'}")
+    assert a != b and a.endswith("a.sqlite3.respond-state.json")
+    assert _state_path(none, "postgresql://u@h/db1") != _state_path(none, "postgresql://u@h/db2")
