@@ -571,7 +571,7 @@ def test_two_responders_cannot_share_one_state_file(recorder: tuple[str, Path], 
 
     state = tmp_path / "state.json"
     with Responder(recorder[0], state_file=state, bearer_token=TOKEN):
-        with pytest.raises(ValueError, match="state.json is in use by another responder"):
+        with pytest.raises(ValueError, match=r"state\.json is in use by another responder"):
             Responder(recorder[0], state_file=state, bearer_token=TOKEN)
     with Responder(recorder[0], state_file=state, bearer_token=TOKEN):
         pass  # released when the first closed
