@@ -41,7 +41,8 @@ class SDCConfig:
     - ``tolerance``: relative threshold for tolerance mode, or ``"auto"`` to calibrate it from healthy reruns.
     - ``on_suspect``: ``"record"`` keeps training; ``"raise"`` raises ``SDCDetected`` on every rank at the same step.
     - ``metrics_port``: base port of the per-rank Prometheus endpoint (rank listens on base + local_rank);
-      ``None`` serves no endpoint. ``metrics_host``: interface to bind.
+      ``None`` serves no endpoint. ``metrics_host``: interface to bind. ``metrics_tls_cert`` / ``metrics_tls_key``:
+      PEM files to serve the endpoint over HTTPS (both or neither; Prometheus scrapes with ``scheme: https``).
     - ``otlp_endpoint``: OTLP/HTTP metrics endpoint (``http://collector:4318/v1/metrics``) or ``None``.
     - ``incident_dir``: where rank 0 appends ``incidents.jsonl`` (``None``: incidents are logged and kept in memory).
     - ``nvml``: read GPU counters through NVML when a GPU is present.
@@ -74,6 +75,8 @@ class SDCConfig:
     job_name: str = "training"
     alertmanager_url: str | None = None
     trigger_audits: bool = True
+    metrics_tls_cert: str | None = None
+    metrics_tls_key: str | None = None
     verdicts: Verdicts = "immediate"
 
     def __post_init__(self) -> None:
@@ -113,6 +116,13 @@ class SDCConfig:
             if problem is not None:
                 raise ValueError(f"SDCConfig.alertmanager_url must be the http(s) base URL of an Alertmanager "
                                  f"(http://alertmanager:9093) or None: {problem}, got {self.alertmanager_url!r}")
+        for name in ("metrics_tls_cert", "metrics_tls_key"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"SDCConfig.{name} must be the path of a PEM file or None, got {value!r}")
+        if (self.metrics_tls_cert is None) != (self.metrics_tls_key is None):
+            raise ValueError("SDCConfig.metrics_tls_cert and SDCConfig.metrics_tls_key go together: give both PEM "
+                             f"files or neither, got cert={self.metrics_tls_cert!r}, key={self.metrics_tls_key!r}")
         if self.incident_dir is not None and (not isinstance(self.incident_dir, (str, os.PathLike))
                                               or not os.fspath(self.incident_dir).strip()):
             raise ValueError(f"SDCConfig.incident_dir must be a non-empty path or None, got {self.incident_dir!r}")
@@ -200,7 +210,8 @@ def http_url_problem(url: object) -> str | None:
 
 _INT_FIELDS = {"weights_every", "replay_every"}
 _BOOL_FIELDS = {"grad_checks", "nvml", "trigger_audits"}
-_OPTIONAL_FIELDS = {"metrics_port", "otlp_endpoint", "incident_dir", "alertmanager_url"}
+_OPTIONAL_FIELDS = {"metrics_port", "otlp_endpoint", "incident_dir", "alertmanager_url", "metrics_tls_cert",
+                    "metrics_tls_key"}
 
 
 def _parse(var: str, raw: str, name: str) -> Any:

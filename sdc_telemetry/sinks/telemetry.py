@@ -33,6 +33,7 @@ import math
 import selectors
 import socket
 import socketserver
+import ssl
 import sys
 import threading
 import time
@@ -298,9 +299,14 @@ class Telemetry(Observer):
             return
         host, port = self.config.metrics_host, base + self.identity.local_rank
         try:
+            tls = tls_context(self.config.metrics_tls_cert, self.config.metrics_tls_key)
+        except ValueError as e:
+            self.setup_error = str(e)  # a configuration error: refused at set-up on every rank, naming the fields
+            return
+        try:
             if port > 65535:
                 raise OSError(errno.EINVAL, f"port {port} is above 65535")
-            self._server, self._server_thread, self._wake = _start_endpoint(host, port, self.registry)
+            self._server, self._server_thread, self._wake = _start_endpoint(host, port, self.registry, tls)
         except Exception as e:  # noqa: BLE001 - no endpoint, but training goes on
             if isinstance(e, socket.gaierror) or (isinstance(e, OSError) and e.errno == errno.EADDRNOTAVAIL):
                 # Not this machine's address: the monitor refuses at set-up on every rank, naming the field.
@@ -318,7 +324,8 @@ class Telemetry(Observer):
                         f", for example {suggestion}" if suggestion is not None else "")
             return
         self.port = int(self._server.server_port)
-        log.info("sdc_telemetry: rank %d serves metrics on http://%s:%d/metrics", self.identity.rank, host, self.port)
+        log.info("sdc_telemetry: rank %d serves metrics on %s://%s:%d/metrics", self.identity.rank,
+                 "https" if tls is not None else "http", host, self.port)
 
     def _note_scrape(self, started: float) -> None:
         with self._scraped:
@@ -374,27 +381,62 @@ class Telemetry(Observer):
         self._gpu = GPUCollector(device, meter, self._attrs, self.internal_error)
 
 
+ENDPOINT_BACKLOG = 128      # connections the kernel queues before accept (socketserver's default is 5)
+ENDPOINT_IDLE_TIMEOUT_S = 10.0  # a connection idle (or mid-request, TLS handshake included) this long is closed
+
+
 class _Server(socketserver.ThreadingMixIn, WSGIServer):
     """The endpoint's HTTP server: prometheus_client's thread-per-request WSGI server, run by ``_accept_loop``, which
     also watches a wake-up socket so that ``close()`` stops it at once (``serve_forever``'s ``shutdown()`` waits
-    up to its 0.5 s poll interval, which a launcher stopping the job may not grant)."""
+    up to its 0.5 s poll interval, which a launcher stopping the job may not grant). With ``tls`` the accepted
+    connections are wrapped, their handshake deferred to the request's own thread (under its idle timeout), so a
+    client that connects and says nothing holds only its own thread, and never the accept loop."""
 
     daemon_threads = True  # request threads are fire and forget (never joined at close)
     timeout = 0            # handle_request() runs after select() said a connection waits: it never blocks
+    request_queue_size = ENDPOINT_BACKLOG
+    tls: ssl.SSLContext | None = None
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        sock, addr = self.socket.accept()
+        if self.tls is not None:
+            sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        return sock, addr
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("sdc_telemetry: metrics connection from %s ended with an error", client_address, exc_info=True)
 
 
 class _QuietHandler(WSGIRequestHandler):
-    """Logs no request line (a scrape every few seconds)."""
+    """Logs no request line (a scrape every few seconds); closes a connection idle past the timeout."""
+
+    timeout = ENDPOINT_IDLE_TIMEOUT_S  # StreamRequestHandler sets it on the connection's socket
 
     def log_message(self, *args: Any) -> None:
         return None
 
 
-def _start_endpoint(host: str, port: int, registry: prometheus_client.CollectorRegistry
+def tls_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
+    """The server-side TLS context of the metrics endpoint (None without a certificate); errors name the fields."""
+    if cert is None:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"SDCConfig.metrics_tls_cert={cert!r} / metrics_tls_key={key!r} cannot be loaded: {e}") \
+            from None
+    return ctx
+
+
+def _start_endpoint(host: str, port: int, registry: prometheus_client.CollectorRegistry,
+                    tls: ssl.SSLContext | None = None
                     ) -> tuple[_Server, threading.Thread, tuple[socket.socket, socket.socket]]:
-    """Serve ``registry`` on ``host:port`` from a daemon thread (IPv6 hosts too, as prometheus_client does)."""
+    """Serve ``registry`` on ``host:port`` from a daemon thread (IPv6 hosts too, as prometheus_client does), over
+    TLS with ``tls``."""
     family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    server_class = type("_FamilyServer", (_Server,), {"address_family": family})
+    server_class = type("_FamilyServer", (_Server,), {"address_family": family, "tls": tls})
     server: _Server = make_server(str(sockaddr[0]), port, prometheus_client.make_wsgi_app(registry), server_class,
                                   handler_class=_QuietHandler)
     wake = socket.socketpair()

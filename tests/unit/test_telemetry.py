@@ -622,3 +622,64 @@ def test_unknown_dependency_is_a_type_error() -> None:
         Telemetry(cfg(), IDENT, registy=None)  # type: ignore[call-arg]
     with pytest.raises(TypeError):
         Telemetry(cfg(), IDENT, scrape_grace_s=60)  # type: ignore[call-arg]
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_metrics_endpoint_serves_https_and_closes_idle_connections(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """With metrics_tls_cert/key the endpoint serves HTTPS only (a plain-HTTP request gets no metrics); it queues
+    128 connections, and one that connects and says nothing is closed after the idle timeout, while scrapes go on."""
+    import socket
+    import ssl
+    import time
+    import urllib.request
+
+    from sdc_telemetry.sinks import telemetry as telemetry_module
+    from tests._responder import self_signed
+
+    cert, key = self_signed(tmp_path)
+    monkeypatch.setattr(telemetry_module._QuietHandler, "timeout", 0.5)
+    port = _port()
+    t = Telemetry(SDCConfig(metrics_port=port, metrics_host="127.0.0.1", nvml=False, metrics_tls_cert=str(cert),
+                            metrics_tls_key=str(key)), RankIdentity(0, 0, "node-t", "cpu:node-t:0"))
+    try:
+        assert t.port == port and t._server is not None and t._server.request_queue_size == 128
+        idle = socket.create_connection(("127.0.0.1", port), timeout=5)  # says nothing, not even a TLS hello
+        ctx = ssl.create_default_context(cafile=str(cert))
+        with urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", timeout=5, context=ctx) as r:
+            assert b"sdc_monitor_closed" in r.read()
+        with pytest.raises(Exception):  # noqa: B017 - plain HTTP to a TLS endpoint: refused one way or another
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                assert b"sdc_monitor_closed" not in r.read()
+                raise RuntimeError("not refused")
+        start = time.monotonic()
+        assert idle.recv(1) == b""  # closed by the server after its idle timeout
+        assert time.monotonic() - start < 4
+        idle.close()
+    finally:
+        t.close()
+
+
+def test_bad_tls_files_are_refused_at_set_up_naming_the_fields(tmp_path: Path) -> None:
+    """A certificate without its key is refused by the config; files that cannot be loaded by the monitor at set-up,
+    naming both fields."""
+    import torch
+
+    import sdc_telemetry as sdc
+
+    with pytest.raises(ValueError, match="metrics_tls_cert and SDCConfig.metrics_tls_key go together"):
+        SDCConfig(metrics_tls_cert="/x/cert.pem")
+    model = torch.nn.Linear(2, 2)
+    bad = tmp_path / "not-a-cert.pem"
+    bad.write_text("garbage")
+    with pytest.raises(ValueError, match="metrics_tls_cert=.* cannot be loaded"):
+        sdc.SDCMonitor(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                       config=SDCConfig(metrics_port=_port(), metrics_host="127.0.0.1", nvml=False,
+                                        metrics_tls_cert=str(bad), metrics_tls_key=str(bad)))
