@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -674,12 +675,12 @@ def test_bad_tls_files_are_refused_at_set_up_naming_the_fields(tmp_path: Path) -
 
     import sdc_telemetry as sdc
 
-    with pytest.raises(ValueError, match="metrics_tls_cert and SDCConfig.metrics_tls_key go together"):
+    with pytest.raises(ValueError, match=r"metrics_tls_cert and SDCConfig\.metrics_tls_key go together"):
         SDCConfig(metrics_tls_cert="/x/cert.pem")
     model = torch.nn.Linear(2, 2)
     bad = tmp_path / "not-a-cert.pem"
     bad.write_text("garbage")
-    with pytest.raises(ValueError, match="metrics_tls_cert=.* cannot be loaded"):
+    with pytest.raises(ValueError, match=r"metrics_tls_cert=.* cannot be loaded"):
         sdc.SDCMonitor(model, torch.optim.SGD(model.parameters(), lr=0.1),
                        config=SDCConfig(metrics_port=_port(), metrics_host="127.0.0.1", nvml=False,
                                         metrics_tls_cert=str(bad), metrics_tls_key=str(bad)))
