@@ -31,7 +31,8 @@ def verify_checkpoint(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``sdc-telemetry`` command line (the docs' command lines are checked against it)."""
     parser = argparse.ArgumentParser(prog="sdc-telemetry", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     add_demo_args(sub.add_parser("demo", help="multi-rank CPU training with an injected fault, the suspect named"))
@@ -46,7 +47,11 @@ def main(argv: list[str] | None = None) -> int:
 
     _verify_args(sub.add_parser("verify-checkpoint", help="check checkpoints against their SDC weight certificates, "
                                 "or choose the one to resume from after an incident (--before-step)"))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return _dispatch(args)
     except ModuleNotFoundError as e:

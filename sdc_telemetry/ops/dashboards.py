@@ -14,7 +14,7 @@ test can run each against a real Prometheus.
 
 SDC and GPU series join ``on (host_name, hw_id)``: the SDC series carry the rank's GPU UUID as ``hw_id``, and so do the
 GPU families exported by the ranks. DCGM exporter series join after ``label_replace(DCGM_..., "hw_id", "$1", "UUID",
-"(.*)")`` and a ``Hostname`` -> ``host_name`` replace the same way (see the README).
+"(.*)")`` and a ``Hostname`` -> ``host_name`` replace the same way.
 """
 
 from __future__ import annotations
