@@ -284,9 +284,14 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
         t = time.monotonic()
         monitor.close()
         closed_after_s = time.monotonic() - t
+    certified = None
+    if sc.get("certify_at_end") and stopped_in_step is None:  # every rank, as a checkpoint save would
+        cert = monitor.certificate()
+        certified = (cert.step, cert.verify(net.state_dict()))
     monitor.close()
     faults.close()
     return {
+        "certified": certified,
         "incidents": [i.to_dict() for i in monitor.incidents],
         "raised_at": raised_at,
         "raised_checks": raised_checks,

@@ -90,6 +90,7 @@ def three_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
                         "fault": {"kind": "nonfinite_grad", "rank": 0, "step": 1, "param": "fc2.weight", "index": 3}},
         "flip_raise": {"config": {"replay_every": 4, "on_suspect": "raise"}, "steps": 8, "fault": flip},
         "flip_last_step": {"config": {"replay_every": 4}, "steps": 4, "fault": {**flip, "step": 3}},
+        "certify": {"config": {"replay_every": 2}, "steps": 5, "loss_always": True, "certify_at_end": True},
         "nested": {"nested": True},
         "bad_dir": {"config": {"incident_dir": "/proc/no-such-dir/x"}},
     }
@@ -365,3 +366,10 @@ def test_kernel_settings_that_differ_between_ranks_give_tolerance_everywhere(thr
     for r in per_rank:
         assert r["mode"] == "tolerance" and not r["incidents"] and not r["errors"]
         assert r["counts"]["replay"] == {"pass": 2}
+
+
+def test_a_certificate_taken_after_the_last_step_verifies_on_every_rank(three_ranks: dict[str, Any]) -> None:
+    """certificate() on every rank after the loop (deferred: the last step's pending verdict decided first) labels
+    the last step and verifies against each rank's own state dict."""
+    for r in three_ranks["certify"]:
+        assert r["certified"] == (4, []) and not r["incidents"] and not r["errors"]

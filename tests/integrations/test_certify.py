@@ -17,18 +17,24 @@ from sdc_telemetry.core.certificate import WeightCertificate
 from sdc_telemetry.integrations._certify import CERTIFICATE_FILE, certify, write_certificate
 
 
-def _monitor() -> sdc.SDCMonitor:
+def _monitor(verdicts: str = "immediate") -> sdc.SDCMonitor:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
-    config = sdc.SDCConfig(replay_every=0, metrics_port=None, nvml=False)
+    config = sdc.SDCConfig(replay_every=0, metrics_port=None, nvml=False, verdicts=verdicts)  # type: ignore[arg-type]
     return sdc.SDCMonitor(model, torch.optim.SGD(model.parameters(), lr=0.1), config=config)
 
 
-def test_certificate_is_labelled_with_the_framework_step_and_lists_buffers() -> None:
+@pytest.mark.parametrize("verdicts", ["immediate", "deferred"])
+def test_certificate_is_labelled_with_the_framework_step_and_lists_buffers(verdicts: str) -> None:
     """certify() returns the monitor's certificate with the framework's step and the module's buffer names, so that
-    the saved state dict (buffers included) verifies against it."""
-    monitor = _monitor()
+    the saved state dict (buffers included) verifies against it; with deferred verdicts after a step whose verdict
+    is still pending (decided first)."""
+    monitor = _monitor(verdicts)
     try:
+        x = torch.randn(3, 4)
+        with monitor.step(x) as step:
+            step.backward(monitor.module(x).square().mean())
+        monitor.optimizer.step()
         cert = certify(monitor, 10, "checkpoint-10")
         assert cert is not None and cert.step == 10
         assert set(cert.buffers) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
