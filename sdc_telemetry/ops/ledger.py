@@ -376,14 +376,7 @@ class Ledger:
     def count_strikes(self, hw_id: str, *, since: float | None = None, excluding: str | None = None) -> int:
         """How many strikes ``hw_id`` has (since a Unix time, if given), leaving out the strike of the alert
         ``excluding`` (the alert being acted on: another responder may have recorded it already)."""
-        sql = "SELECT COUNT(*) FROM sdc_strikes WHERE hw_id = ?"
-        params: list[Any] = [hw_id]
-        if since is not None:
-            sql += " AND at >= ?"
-            params.append(float(since))
-        if excluding is not None:
-            sql += " AND (alert_key IS NULL OR alert_key <> ?)"
-            params.append(excluding)
+        sql, params = _count_sql("sdc_strikes", hw_id, since, excluding)
         self._replayed()
         return int(self._execute(sql, params)[0][0])
 
@@ -454,6 +447,19 @@ def open_ledger(url: str | None = None) -> Ledger:
     return Ledger(url if url is not None else default_ledger_url())
 
 
+def _count_sql(table: str, hw_id: str, since: float | None, excluding: str | None) -> tuple[str, list[Any]]:
+    """A GPU's strikes in ``table`` since a time, leaving out the alert ``excluding``: (SQL, parameters)."""
+    sql = f"SELECT COUNT(*) FROM {table} WHERE hw_id = ?"  # noqa: S608 - table is one of two literals here
+    params: list[Any] = [hw_id]
+    if since is not None:
+        sql += " AND at >= ?"
+        params.append(float(since))
+    if excluding is not None:
+        sql += " AND (alert_key IS NULL OR alert_key <> ?)"
+        params.append(excluding)
+    return sql, params
+
+
 class _Journal:
     """This responder's strikes in a local SQLite file, each marked once the shared database took it (or already held
     it): durable on this host through a database outage, and what decides while the database is down."""
@@ -506,14 +512,7 @@ class _Journal:
             return int(self._conn.execute("SELECT COUNT(*) FROM journal WHERE synced = 0").fetchone()[0])
 
     def count(self, hw_id: str, since: float | None, excluding: str | None) -> int:
-        sql = "SELECT COUNT(*) FROM journal WHERE hw_id = ?"
-        params: list[Any] = [hw_id]
-        if since is not None:
-            sql += " AND at >= ?"
-            params.append(float(since))
-        if excluding is not None:
-            sql += " AND (alert_key IS NULL OR alert_key <> ?)"
-            params.append(excluding)
+        sql, params = _count_sql("journal", hw_id, since, excluding)
         with self._lock:
             return int(self._conn.execute(sql, params).fetchone()[0])
 

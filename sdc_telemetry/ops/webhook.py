@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
-import ssl
 from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
@@ -20,6 +18,7 @@ from typing import Any, Protocol
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from sdc_telemetry.ops.labels import BadRequest, Triage, triage_body
+from sdc_telemetry.sinks.tls import TLSAccept
 
 __all__ = ["LISTEN_BACKLOG", "MAX_BODY_BYTES", "Handler", "Server", "WebhookTarget"]
 
@@ -47,19 +46,10 @@ class WebhookTarget(Protocol):
     def _count(self, name: str, n: int = 1) -> None: ...
 
 
-class Server(ThreadingHTTPServer):
+class Server(TLSAccept, ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = LISTEN_BACKLOG
     responder: WebhookTarget
-    tls: ssl.SSLContext | None = None
-
-    def get_request(self) -> tuple[socket.socket, Any]:
-        sock, addr = self.socket.accept()
-        if self.tls is not None:
-            # The handshake happens on the handler's thread at its first read, under the idle timeout, so a client
-            # that connects and says nothing holds no more than its own thread for that long.
-            sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-        return sock, addr
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.debug("sdc responder: connection from %s ended with an error", client_address, exc_info=True)

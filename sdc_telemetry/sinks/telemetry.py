@@ -57,6 +57,7 @@ from sdc_telemetry.sinks import nvml as _nvml
 from sdc_telemetry.sinks.gpu import GPUCollector
 from sdc_telemetry.sinks.metrics import CHECK_DURATION_BUCKETS, SDC, Family, family
 from sdc_telemetry.sinks.observer import RESULTS, Observer, StepReport
+from sdc_telemetry.sinks.tls import TLSAccept
 
 __all__ = ["Telemetry", "resource_attributes", "NONFINITE", "PHASES", "PAGER_COMPONENT"]
 
@@ -385,7 +386,7 @@ ENDPOINT_BACKLOG = 128      # connections the kernel queues before accept (socke
 ENDPOINT_IDLE_TIMEOUT_S = 10.0  # a connection idle (or mid-request, TLS handshake included) this long is closed
 
 
-class _Server(socketserver.ThreadingMixIn, WSGIServer):
+class _Server(TLSAccept, socketserver.ThreadingMixIn, WSGIServer):
     """The endpoint's HTTP server: prometheus_client's thread-per-request WSGI server, run by ``_accept_loop``, which
     also watches a wake-up socket so that ``close()`` stops it at once (``serve_forever``'s ``shutdown()`` waits
     up to its 0.5 s poll interval, which a launcher stopping the job may not grant). With ``tls`` the accepted
@@ -395,13 +396,6 @@ class _Server(socketserver.ThreadingMixIn, WSGIServer):
     daemon_threads = True  # request threads are fire and forget (never joined at close)
     timeout = 0            # handle_request() runs after select() said a connection waits: it never blocks
     request_queue_size = ENDPOINT_BACKLOG
-    tls: ssl.SSLContext | None = None
-
-    def get_request(self) -> tuple[socket.socket, Any]:
-        sock, addr = self.socket.accept()
-        if self.tls is not None:
-            sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-        return sock, addr
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.debug("sdc_telemetry: metrics connection from %s ended with an error", client_address, exc_info=True)
