@@ -209,8 +209,9 @@ def test_process_refused_labels_use_no_cap_slot_and_foreign_alerts_are_ignored(t
 
 
 def test_reacquire_restart_second_strike_and_fleet(tmp_path: Path) -> None:
-    """--reacquire-after 2s: a host is not acted on again within 2 s, even across a restart (state on disk); after
-    it, the GPU's second strike in the window runs --replace-command; `fleet` then lists the GPU with 2 strikes."""
+    """--reacquire-after 2s: a host is not acted on again within 2 s, even across a restart (state on disk, in the
+    file named after the ledger); after it, the GPU's next alert (it fails again: a new startsAt) is its second strike
+    in the window and runs --replace-command; `fleet` then lists the GPU with 2 strikes."""
     replace, replaced = recorder_template(tmp_path, "replaced", " replace {host_name} {hw_id}")
     screen, screened = recorder_template(tmp_path, "screened", " screen {host_name}")
     args = ("--reacquire-after", "2s", "--replace-command", replace, "--screen-command", screen)
@@ -218,13 +219,15 @@ def test_reacquire_restart_second_strike_and_fleet(tmp_path: Path) -> None:
     with responder_process(tmp_path, *args) as (url, out):
         assert post(url, page)[1]["acted"] == ["node-b"]
         started = time.monotonic()
-    state = tmp_path / "respond-state.json"  # default: next to the SQLite ledger
+    state = tmp_path / "ledger.sqlite3.respond-state.json"  # default: named after the SQLite ledger, beside it
     assert json.loads(state.read_text())["hosts"]["node-b"]["hw_id"] == "GPU-9"
     with responder_process(tmp_path, *args) as (url, out):
         if time.monotonic() - started < 1.5:
             assert post(url, page)[1]["already"] == ["node-b"]  # restart kept the state
         time.sleep(max(0.0, 2.2 - (time.monotonic() - started)))
-        outcome = post(url, page)[1]
+        again = notification(alert("node-b", hw_id="GPU-9", check="weights", step="40",
+                                   starts_at="2024-01-01T00:10:00Z"))
+        outcome = post(url, again)[1]
         assert outcome["acted"] == ["node-b"] and outcome["replaced"] == ["node-b"]
         text = request(url, "GET", "/metrics")[1]
         _wait(lambda: len(runs(screened)) == 2, "the screens after both actions")
