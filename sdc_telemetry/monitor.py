@@ -264,8 +264,9 @@ class SDCMonitor:
                     loss = closure()
             if self._ended is not None and not self._open and self._ended.step == self._step \
                     and not self.step_finite(self._step):
-                self._warn_once(f"skipped-update-{self._step}", "sdc_telemetry: step %d: the update is skipped on "
-                                "every rank: its gradients were not finite on every rank", self._step)
+                if self._writer:  # one line per skipped step, as each is its own decision
+                    log.warning("sdc_telemetry: step %d: the update is skipped on every rank: its gradients were not "
+                                "finite on every rank", self._step)
                 return loss
             out = update(*args, **kwargs)
             return loss if closure is not None else out

@@ -390,14 +390,7 @@ class ReplayCheck:
         tolerance (non-finite values alike)."""
         if self.mode == "exact":
             return result.fp == fp and all(_same_bits(a, b) for a, b in zip(result.losses, losses, strict=True))
-        got, ref = result.norms.double().cpu(), norms.double()
-        if not torch.equal(torch.isfinite(got), torch.isfinite(ref)) or \
-                any(math.isfinite(a) != math.isfinite(b) for a, b in zip(result.losses, losses, strict=True)):
-            return False
-        finite = torch.isfinite(ref)
-        grad = float(torch.linalg.vector_norm(got[finite] - ref[finite])
-                     / max(float(torch.linalg.vector_norm(ref[finite])), 1e-30))
-        loss = max((_rel(a, b) for a, b in zip(result.losses, losses, strict=True) if math.isfinite(a)), default=0.0)
+        loss, grad = _alike_deltas(result, losses, norms.double())
         limit = max(self.tolerance, AUTO_FLOOR)
         return loss <= limit and grad <= limit
 
@@ -490,17 +483,7 @@ class ReplayCheck:
             loss_delta = max(_rel(a, b) for a, b in zip(result.losses, recorded_losses, strict=True))
             ref = record["norms"].double()
             if recorded_fp is None:  # a triggered audit: norms and losses, with non-finite values compared as such
-                got = result.norms.double().cpu()
-                same_kind = torch.equal(torch.isfinite(got), torch.isfinite(ref)) and \
-                    all(math.isfinite(a) == math.isfinite(b) for a, b in zip(result.losses, recorded_losses,
-                                                                              strict=True))
-                finite = torch.isfinite(ref) & torch.isfinite(got)
-                grad_delta, loss_delta = math.inf, math.inf
-                if same_kind:
-                    grad_delta = float(torch.linalg.vector_norm(got[finite] - ref[finite])
-                                       / max(float(torch.linalg.vector_norm(ref[finite])), 1e-30))
-                    loss_delta = max((_rel(a, b) for a, b in zip(result.losses, recorded_losses, strict=True)
-                                      if math.isfinite(a) and math.isfinite(b)), default=0.0)
+                loss_delta, grad_delta = _alike_deltas(result, recorded_losses, ref)
                 limit = max(self.tolerance, AUTO_FLOOR)
                 mismatch = not (loss_delta <= limit and grad_delta <= limit)
                 return torch.tensor([int(mismatch), bits(loss_delta), bits(grad_delta), 0], dtype=torch.int64)
@@ -538,6 +521,21 @@ def _floats(values: Sequence[torch.Tensor]) -> list[float]:
         return []
     device = values[0].device
     return [float(x) for x in torch.stack([v.detach().double().reshape(()).to(device) for v in values]).tolist()]
+
+
+def _alike_deltas(result: Result, losses: Sequence[float], norms: torch.Tensor) -> tuple[float, float]:
+    """(loss, gradient) relative deltas of a recomputation against recorded losses and per-parameter norms, with
+    non-finite values compared as such: infinite when one side is non-finite where the other is not, else taken over
+    the finite values (a NaN batch is NaN alike on both sides)."""
+    got = result.norms.double().cpu()
+    if not torch.equal(torch.isfinite(got), torch.isfinite(norms)) or \
+            any(math.isfinite(a) != math.isfinite(b) for a, b in zip(result.losses, losses, strict=True)):
+        return math.inf, math.inf
+    finite = torch.isfinite(norms)
+    grad = float(torch.linalg.vector_norm(got[finite] - norms[finite])
+                 / max(float(torch.linalg.vector_norm(norms[finite])), 1e-30))
+    loss = max((_rel(a, b) for a, b in zip(result.losses, losses, strict=True) if math.isfinite(a)), default=0.0)
+    return loss, grad
 
 
 def _rel(a: float, b: float) -> float:
