@@ -1,13 +1,21 @@
-"""The code in README.md and docs/: the README's Python and commands run; every snippet in docs/ is checked (Python
-parses, each `sdc-telemetry` command names a real subcommand and real options, YAML loads, `make` targets exist), so
-that the documentation cannot drift from the code unseen."""
+"""The code in README.md and docs/: the README's Python and commands run; every Python snippet in docs/ runs, either
+itself (in a harness that builds what its text presumes, ``_docs_run.py``) or as an exact excerpt of a script or test
+scenario that the suite runs; every other snippet is checked (each `sdc-telemetry` command names a real subcommand
+and real options, YAML loads, `make` targets exist), so that the documentation cannot drift from the code unseen.
+
+A Python block in docs/ is preceded by one marker line: ``<!-- snippet: run HARNESS -->`` or
+``<!-- snippet: from PATH -->``. An excerpt's lines (comments and indentation aside; ``...`` elides) appear in PATH in
+the same order."""
 
 from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +30,41 @@ from sdc_telemetry.ops.cli import main as cli
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+MARKED = re.compile(r"^(?:<!-- snippet: (run|from) (\S+) -->\n)?```python\n(.*?)^```", re.S | re.M)
+TESTS = ROOT / "tests"
+
+
+def python_snippets() -> list[tuple[str, str, str, str]]:
+    """(id, kind, target, code) of every Python block in docs/; kind and target are None without a marker."""
+    out = []
+    for path in DOCS:
+        text = path.read_text()
+        for m in MARKED.finditer(text):
+            line = text[:m.start()].count("\n") + 1
+            out.append((f"{path.name}:{line}", m.group(1), m.group(2), m.group(3)))
+    return out
+
+
+def _code_lines(text: str) -> list[str]:
+    """A file's or excerpt's lines, whitespace-normalised, without comments, blank lines and ``...`` elisions."""
+    out = []
+    for line in text.splitlines():
+        line = re.split(r"(?:^|\s)#\s", line, maxsplit=1)[0]
+        line = " ".join(line.split())
+        if line and line != "...":
+            out.append(line)
+    return out
+
+
+def excerpt_missing(code: str, source: str) -> list[str]:
+    """The excerpt's lines not found in ``source`` in order (empty: an exact excerpt)."""
+    lines, at, missing = _code_lines(source), 0, []
+    for line in _code_lines(code):
+        try:
+            at = lines.index(line, at) + 1
+        except ValueError:
+            missing.append(line)
+    return missing
 
 
 def blocks(path: Path) -> list[tuple[str, str]]:
@@ -87,6 +130,48 @@ def test_every_snippet_in_docs_is_valid(path: Path) -> None:
                     check_sdc_command(argv, where)
                 if argv[:1] == ["make"] and len(argv) > 1:
                     assert re.search(rf"^{re.escape(argv[1])}:", (ROOT / "Makefile").read_text(), re.M), where
+
+
+SNIPPETS = python_snippets()
+
+
+def test_every_python_snippet_in_docs_is_marked() -> None:
+    """Each Python block says how it is run; the excerpt rule itself notices a changed line."""
+    unmarked = [where for where, kind, _, _ in SNIPPETS if kind is None]
+    assert SNIPPETS and not unmarked, f"Python blocks without a snippet marker: {unmarked}"
+    source = "a = 1\nwith f() as g:  # opens\n    g.run(a)\n"
+    assert excerpt_missing("a = 1\n...\nwith f() as g:\n    g.run(a)   # other words\n", source) == []
+    assert excerpt_missing("g.run(a)\na = 1\n", source) == ["a = 1"]  # order counts
+    assert excerpt_missing("g.run(b)\n", source) == ["g.run(b)"]
+
+
+@pytest.mark.parametrize("snippet", [s for s in SNIPPETS if s[1] == "from"], ids=lambda s: s[0])
+def test_docs_excerpt_is_exact_and_its_source_runs(snippet: tuple[str, str, str, str]) -> None:
+    """An excerpt is the code of a file the suite runs: an example launched by tests/integrations, or a multi-rank
+    scenario module of tests/distributed."""
+    where, _, target, code = snippet
+    source = ROOT / target
+    assert source.is_file(), f"{where}: {target} does not exist"
+    missing = excerpt_missing(code, source.read_text())
+    assert not missing, f"{where}: not in {target} (in this order): {missing}"
+    stem = source.stem if source.parent.name != "torchtitan" else "torchtitan"
+    runners = [f for f in TESTS.rglob("test_*.py") if stem in f.read_text()]
+    assert runners, f"{where}: no test runs {target}"
+
+
+@pytest.mark.parametrize("snippet", [s for s in SNIPPETS if s[1] == "run"], ids=lambda s: s[0])
+def test_docs_snippet_runs(snippet: tuple[str, str, str, str], tmp_path: Path) -> None:
+    """The snippet runs, in its own process, with what its text presumes built for real on CPU, and does what the
+    text says (each harness checks it: a checkpoint that verifies, a fit whose every step was checked, ...)."""
+    where, _, harness, code = snippet
+    (tmp_path / "snippet.py").write_text(code)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**os.environ, "SDC_METRICS_PORT": "none", "SDC_NVML": "0", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_docs_run.py")), harness,
+                           str(tmp_path / "snippet.py"), str(work)], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0 and "SNIPPET OK" in proc.stdout, f"{where}:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}"
 
 
 def test_readme_recipe_runs(monkeypatch: pytest.MonkeyPatch) -> None:
