@@ -220,3 +220,73 @@ def test_readme_commands_run(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert ran == 2
     out = capsys.readouterr().out
     assert "GPU-readme" in out and "intact" in out
+
+
+def _docs_command_lines() -> list[tuple[str, list[str], str]]:
+    """(where, argv after ``sdc-telemetry``, the documented output that follows it) of every command line in docs/."""
+    out = []
+    for path in DOCS:
+        for n, (lang, code) in enumerate(blocks(path)):
+            if lang not in ("bash", "sh", ""):
+                continue
+            lines = code.replace("\\\n", " ").splitlines()
+            for i, line in enumerate(lines):
+                if not re.match(r"^(\$ )?sdc-telemetry ", line):
+                    continue
+                shown = []
+                for after in lines[i + 1:]:
+                    if after.startswith("$ ") or not line.startswith("$ "):
+                        break
+                    shown.append(after)
+                argv = shlex.split(line.removeprefix("$ ").split("  #", 1)[0])[1:]
+                while argv and argv[-1] in ("&", ";"):  # shell syntax after the command
+                    argv.pop()
+                out.append((f"{path.name} block {n + 1}", argv, "\n".join(shown)))
+    return out
+
+
+def test_docs_commands_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Every `sdc-telemetry` command line in docs/ that ends by itself runs, on a scene made here: a ledger with a
+    strike, certified checkpoints (one corrupted) in place of /checkpoints and the ledger path it prints, and ends
+    as documented (a documented FAIL or CORRUPT exits 1, with that word; the rest exit 0). The responder's lines (a
+    server) are parsed by the real argument parser; usage lines (``[--opt N]``, ``TEMPLATE``, ``...``) only checked."""
+    from sdc_telemetry.ops.ledger import Ledger
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SDC_STATE_DIR", str(tmp_path / "state"))  # screen's default ledger
+    ledger = tmp_path / "ledger.sqlite3"
+    with Ledger(f"sqlite:///{ledger}") as led:
+        led.add_strike("GPU-docs", host_name="node-docs", alertname="SDCReplayMismatch")
+    weights = {f"layer{i}.weight": torch.full((4,), float(i)) for i in range(3)}
+    for step, audit in ((1100, 1000), (1200, 1100), (1220, 1200), (1300, 1200)):
+        cert = sdc.WeightCertificate.from_tensors(step, weights, last_passing_audit=audit)
+        saved = dict(weights)
+        if step == 1300:
+            saved["layer1.weight"] = saved["layer1.weight"] + 1  # changed after it was certified
+        torch.save({"model": saved, "sdc_certificate": cert.to_dict()}, tmp_path / f"ckpt-{step:08d}.pt")
+    paths = {"sqlite:////var/lib/sdc-telemetry/ledger.sqlite3": f"sqlite:///{ledger}", "/checkpoints/": ""}
+    parser = build_parser()
+    ran, parsed = [], 0
+    for where, argv, shown in _docs_command_lines():
+        synopsis = any(a == "..." or a.startswith("[") or re.fullmatch(r"[A-Z][A-Z:_]*", a) for a in argv)
+        if synopsis:  # a usage line: its options are checked by test_every_snippet_in_docs_is_valid
+            continue
+        if argv[0] == "respond":  # a server: the real parser takes the line as printed
+            parser.parse_args(argv)  # SystemExit (2) on an unknown option or a bad value
+            parsed += 1
+            continue
+        line: list[str] = []
+        for a in argv:
+            for k, p in paths.items():
+                a = a.replace(k, p)
+            line.extend(sorted(str(f.name) for f in tmp_path.glob(a)) if "*" in a else [a])
+        rc = cli(line)
+        out = capsys.readouterr()
+        failing = next((w for w in ("FAIL", "CORRUPT") if w in shown), None)
+        assert rc == (1 if failing else 0), (where, line, rc, out)
+        if failing:
+            assert failing in out.out + out.err, (where, out)
+        ran.append(argv[0])
+    assert sorted(set(ran)) == ["fleet", "screen", "verify-checkpoint"] and len(ran) >= 5, ran
+    assert parsed >= 3
