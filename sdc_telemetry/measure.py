@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sdc_telemetry.checks import grad as grad_check
+from sdc_telemetry.checks.at_rest import AtRestCheck, Compared
 from sdc_telemetry.checks.outliers import OutlierTrigger, quantize
 from sdc_telemetry.checks.replay import ReplayCheck
 from sdc_telemetry.checks.weights import WeightsCheck
@@ -42,6 +43,7 @@ class Measured:
     durations: dict[str, float] = field(default_factory=dict)  # measuring time per check on this rank
     grads: bool = True           # gradient results belong to this hook point
     deferred: bool = False       # decided one step later (the step's batch and weights are gone by then)
+    at_rest: Compared | None = None  # this rank's at-rest comparison, for the rare path
 
 
 class StepMeasurer:
@@ -50,10 +52,11 @@ class StepMeasurer:
     def __init__(self, layout: Layout, config: SDCConfig, params: Sequence[torch.nn.Parameter],
                  device: torch.device, record: grad_check.GradRecord, weights: WeightsCheck | None,
                  replay: ReplayCheck | None, outliers: OutlierTrigger | None,
-                 on_error: Callable[[str, str], None]) -> None:
+                 on_error: Callable[[str, str], None], at_rest: AtRestCheck | None = None) -> None:
         self.layout, self.config, self._params, self.device = layout, config, list(params), device
         self._record, self._weights, self._replay, self._outliers = record, weights, replay, outliers
         self._on_error = on_error
+        self._at_rest = at_rest
         self._absent: torch.Tensor | None = None  # the status vector's absent-slot mask, made once
 
     def measure(self, step: int, loss: torch.Tensor | None, scaler_used: bool, *, weights: bool,
@@ -108,17 +111,23 @@ class StepMeasurer:
             self._on_error("grad", "measuring gradients failed")
             host[S.ERROR] = 1
         table = None
+        at_rest = None
         weights_s = 0.0
         if weights:
             t = time.perf_counter()
             try:
-                if self._weights is None:
+                if self._weights is None and self._at_rest is None:
                     raise RuntimeError("no replicas to compare")
-                digest = self._weights.measure().reshape(1)
-                table = self._weights.table
+                if self._weights is not None:
+                    digest = self._weights.measure().reshape(1)
+                    table = self._weights.table
+                if self._at_rest is not None:
+                    on_device[S.AT_REST], at_rest = self._at_rest.measure(table)
             except Exception:  # noqa: BLE001
                 self._on_error("weights", "fingerprinting the parameters failed")
                 host[S.WEIGHTS_ERROR] = 1
+                on_device.pop(S.AT_REST, None)
+                at_rest = None
             weights_s = time.perf_counter() - t
         on_device.update({S.LOCAL_NONFINITE: nonfinite[0], S.REDUCED_NONFINITE: nonfinite[1]})
         vec, self._absent = S.pack(host, on_device, digest, self.device, layout.digest_slots, layout.digest_slot,
@@ -130,5 +139,5 @@ class StepMeasurer:
                      "weights": weights_s}
         return Measured(step=step, mine=host, agreement=agreement, weights_due=weights, audit=audit, table=table,
                          norms=record.norms.clone() if snapshot else record.norms, durations=durations,
-                         grads=grads, deferred=snapshot)
+                         grads=grads, deferred=snapshot, at_rest=at_rest)
 

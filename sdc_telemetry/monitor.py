@@ -28,7 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sdc_telemetry.checks import at_rest
 from sdc_telemetry.checks import grad as grad_check
+from sdc_telemetry.checks.at_rest import AtRestCheck
 from sdc_telemetry.checks.outliers import OutlierTrigger
 from sdc_telemetry.checks.replay import ReplayCheck, pipeline_loss
 from sdc_telemetry.checks.triggers import TriggeredAudits
@@ -144,12 +146,17 @@ class SDCMonitor:
 
         # Every parameter, frozen ones included (LoRA-style fine-tuning freezes most weights; they must still agree),
         # each read as this rank holds it, among the ranks that hold the same tensor.
-        self._weights = WeightsCheck(list(self.module.named_parameters()), layout.group, self._ranks,
-                                     layout.weight_classes(classes), local=layout.local) \
-            if layout.weight_replicas else None
+        every = list(self.module.named_parameters())
+        self._weights = WeightsCheck(every, layout.group, self._ranks, layout.weight_classes(classes),
+                                     local=layout.local) if layout.weight_replicas else None
+        # Each rank's own tensors between the update and the weight check: where no replica holds them, and to
+        # referee two replicas (checks/at_rest.py).
+        self._at_rest = AtRestCheck([n for n, _ in every], [p for _, p in every], optimizer, layout.local) \
+            if self.config.weights_every else None
         reason = layout.weights_off_reason()
         if replicas and reason and self.config.weights_every and self._writer:
-            log.warning("sdc_telemetry: %s", reason)
+            log.warning("sdc_telemetry: %s; the at-rest check still compares each rank's own shards between the "
+                        "update and the weight check", reason)
         triggers = self.config.trigger_audits and self.config.grad_checks
         self._replay = ReplayCheck(self.module, loss_fn, named, layout.group, self._ranks, self.identities,
                                    self.device, self.mode, self.config.tolerance, self.config.replay_every,
@@ -167,7 +174,7 @@ class SDCMonitor:
                                           gather=lambda row: layout.gather_rows(row, self.device),
                                           gather_objects=layout.gather_objects)
         self._measurer = StepMeasurer(layout, self.config, self._params, self.device, self._record, self._weights,
-                                      self._replay, self._outliers, self._internal_error)
+                                      self._replay, self._outliers, self._internal_error, at_rest=self._at_rest)
         layout.install(self._record, reduced_checks=self.config.grad_checks)
         self._handles = [optimizer.register_step_post_hook(self._after_update)]
 
@@ -222,7 +229,7 @@ class SDCMonitor:
         """Run the weight check now on every rank, whatever ``weights_every`` is (call it before saving a
         checkpoint). Collective. Returns the weights incident (new, or the open episode it repeats) or None."""
         self._require_open_monitor("verify_weights")
-        if self._weights is None:
+        if self._weights is None and self._at_rest is None:
             return None
         self._settle()
         start = time.perf_counter()
@@ -304,8 +311,10 @@ class SDCMonitor:
         if others:  # the same on every rank: episodes are decided from agreed data
             raise SDCDetected(others[0])
         named = list(self.module.named_parameters())
-        if incident is None or self._weights is None:
+        if incident is None:
             rows = self._whole_fingerprints(named)
+        elif self._weights is None:  # no replica: a rank's memory changed at rest, nothing else holds the weights
+            raise SDCDetected(incident)
         else:
             majority = self._weights.majority
             if majority is None or self.layout.shard_of is not None:  # no majority of whole tensors to certify
@@ -451,7 +460,7 @@ class SDCMonitor:
         self._open = False
         self._next_step = step + 1
         self._ended_since_update = True
-        weights_due = self._weights is not None and self.config.weights_every > 0 \
+        weights_due = (self._weights is not None or self._at_rest is not None) and self.config.weights_every > 0 \
             and step % self.config.weights_every == 0
         audit = self._replay is not None and self._replay.due(step)
         deferred = self._defer_verdicts and not audit
@@ -569,9 +578,21 @@ class SDCMonitor:
         return frozenset(passed)
 
     def _weights_verdict(self, m: Measured, high: list[int], low: list[int]) -> tuple[Finding | None, str]:
-        assert self._weights is not None
-        return self._weights.verdict(m.step, bool(high[S.WEIGHTS_ERROR]), bool(m.mine[S.WEIGHTS_ERROR]),
-                                     S.digests_agree(high, low, self.layout.digest_slots), m.table, self._writer)
+        """The vote among replicas (where there are any) and the at-rest comparison, from the agreement."""
+        error = bool(high[S.WEIGHTS_ERROR])
+        if self._weights is not None:
+            finding, result = self._weights.verdict(m.step, error, bool(m.mine[S.WEIGHTS_ERROR]),
+                                                    S.digests_agree(high, low, self.layout.digest_slots), m.table,
+                                                    self._writer)
+        elif error:
+            finding, result = None, "error" if m.mine[S.WEIGHTS_ERROR] else "skipped"
+        else:  # no replica: the at-rest comparison is the check; nothing to compare before the first update
+            finding, result = None, "pass" if low[S.AT_REST] >= 1 else "skipped"
+        if not error and high[S.AT_REST] >= 2 and self._at_rest is not None:
+            changed = at_rest.decide(m.step, m.at_rest, self.layout.gather_objects, self._ranks)
+            if changed is not None:
+                finding, result = at_rest.merge(changed, finding), "fail"
+        return finding, result
 
     def _replay_verdict(self, step: int, high: list[int], low: list[int], findings: list[Finding]
                         ) -> tuple[Finding | None, str, ReplayDeltas | None]:
@@ -661,18 +682,36 @@ class SDCMonitor:
                 incident.evidence["gpu_counters"] = counters
 
     def _after_update(self, *_: Any) -> None:
-        """Optimizer post-step hook: says once if steps run outside ``monitor.step()`` (no checks ran for them)."""
+        """Optimizer post-step hook: the at-rest reference when the next step checks the weights; says once if
+        steps run outside ``monitor.step()`` (no checks ran for them)."""
         if not self._ended_since_update:
             self._warn_once("no-step", "sdc_telemetry: optimizer.step() ran without a `with monitor.step(...)` "
                             "block since the last update: no check runs for such steps")
         self._ended_since_update = False
+        if self._at_rest is not None:
+            nxt = self._step + 1
+            try:
+                if nxt % self.config.weights_every == 0:
+                    self._at_rest.after_update(self._step)
+                else:
+                    self._at_rest.forget()
+            except Exception:  # noqa: BLE001 - telemetry never breaks training; counted, the check skips
+                self._at_rest.forget()
+                self._internal_error("weights", "fingerprinting the parameters after the update failed")
+
+    def weights_changed(self) -> None:
+        """Say that the weights (or the optimizer's state) were changed on purpose outside ``optimizer.step()``
+        (an EMA written into them, a manual clamp, a reload): the at-rest check compares again from the next update.
+        Local, not a collective."""
+        if self._at_rest is not None:
+            self._at_rest.forget()
 
     def _announce(self) -> None:
         hosts = len({i.host_name for i in self.identities.values()})
         replicas = self.layout.replicas
         checks = [*(("grad_local", "grad_reduced" if self.layout.reduces else "") if self.config.grad_checks else ()),
-                  *((f"weights every {self.config.weights_every}",) if self._weights and self.config.weights_every
-                    else ()),
+                  *((f"weights every {self.config.weights_every}" + ("" if self._weights else " (at rest)"),)
+                    if self._at_rest is not None else ()),
                   *((f"replay every {self.config.replay_every} ({self.mode})",)
                     if self._replay is not None and self.config.replay_every else ()),
                   *(("triggered audits",) if self._outliers is not None else ())]
@@ -680,7 +719,8 @@ class SDCMonitor:
                 f"({self.layout.name}): {', '.join(c for c in checks if c) or 'no checks'}; "
                 f"on_suspect={self.config.on_suspect}")
         if not replicas:
-            text += " (one replica: weight and replay checks need several ranks and are off)"
+            text += (" (one replica: the replay and the weight vote need several ranks and are off; the at-rest "
+                     "check compares this rank's own weights)")
         # Said at WARNING when logging is not configured, so that it reaches stderr once: monitoring is on.
         log.log(logging.INFO if logging.getLogger().handlers else logging.WARNING, "%s", text)
 

@@ -14,14 +14,16 @@ import torch
 
 __all__ = ["STEP", "LOCAL_MEASURED", "LOCAL_NONFINITE", "REDUCED_MEASURED", "REDUCED_NONFINITE", "ERROR", "REPEATED",
            "REPLAYABLE", "SCALER", "WEIGHTS_ERROR", "DIGEST", "REDUCED_CHECKSUM", "LOSS_Q", "NORM_Q", "JUMP_Q",
-           "FIELDS", "GRAD_FIELDS", "OUTLIER_FIELDS", "digests_agree", "pack"]
+           "AT_REST", "FIELDS", "GRAD_FIELDS", "OUTLIER_FIELDS", "digests_agree", "pack"]
 
 (STEP, LOCAL_MEASURED, LOCAL_NONFINITE, REDUCED_MEASURED, REDUCED_NONFINITE, ERROR, REPEATED, REPLAYABLE, SCALER,
- WEIGHTS_ERROR, DIGEST, REDUCED_CHECKSUM, LOSS_Q, NORM_Q, JUMP_Q) = range(15)
-FIELDS = 15
+ WEIGHTS_ERROR, DIGEST, REDUCED_CHECKSUM, LOSS_Q, NORM_Q, JUMP_Q, AT_REST) = range(16)
+FIELDS = 16
 # REDUCED_CHECKSUM: the layout's reduce-phase checksum disagreed on this rank (1), or was not measured (0).
 # LOSS_Q, NORM_Q, JUMP_Q: this rank's loss and local gradient norm, quantized (checks/outliers.py), and its jump
 # against its own recent history: the spread between ranks comes from their MAX and MIN.
+# AT_REST: 0 nothing compared, 1 unchanged, 2 this rank's parameters or optimizer state changed between the update
+# and the weight check (checks/at_rest): MAX says whether any rank changed, MIN whether every rank compared.
 GRAD_FIELDS = (LOCAL_MEASURED, LOCAL_NONFINITE, REDUCED_MEASURED, REDUCED_NONFINITE)
 OUTLIER_FIELDS = (LOSS_Q, NORM_Q, JUMP_Q)
 

@@ -49,7 +49,7 @@ def test_plain_module_in_one_process_checks_gradients(caplog: pytest.LogCaptureF
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with caplog.at_level(logging.INFO, logger="sdc_telemetry"):
         mon = sdc.SDCMonitor(model, opt, config=sdc.SDCConfig(**OFF), start_step=7)
-    assert "monitoring 1 rank" in caplog.text and "weight and replay checks" in caplog.text
+    assert "monitoring 1 rank" in caplog.text and "the weight vote need several ranks" in caplog.text
     for k in range(3):
         x = torch.ones(3, 4)
         with mon.step(x) as step:
@@ -312,4 +312,7 @@ def test_a_step_without_backward_is_skipped_not_passed(one_rank: None) -> None:
             pass
         monitor.close()
         first, second = seen.results
-        assert set(first.values()) == {"pass"} and set(second.values()) == {"skipped"}, (wrap, seen.results)
+        grads = [{v for k, v in r.items() if k.startswith("grad")} for r in (first, second)]
+        assert grads == [{"pass"}, {"skipped"}], (wrap, seen.results)
+        # one replica: the weights' at-rest check has nothing to compare before an update
+        assert first["weights"] == second["weights"] == "skipped", (wrap, seen.results)
