@@ -73,6 +73,7 @@ class FaultInjector:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, start_step: int = 0) -> None:
         self.model = model
+        self.optimizer = optimizer
         self.module = getattr(model, "module", model)
         self.step = start_step
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -113,6 +114,25 @@ class FaultInjector:
                              f"{target.numel()} elements on this rank)")
         self._before_forward(rank, step, lambda: flip_bit(target.data, index, bit),
                              f"weight bit {bit} of {param}[{index}] at step {step}")
+
+    def flip_state_bit(self, *, rank: int, step: int, param: str | None = None, key: str = "exp_avg", index: int = 0,
+                       bit: int = 0) -> None:
+        """Memory corruption of the optimizer's state (``key``: Adam's ``exp_avg``, ``exp_avg_sq``, SGD's
+        ``momentum_buffer``) of ``param`` on this rank, just before step ``step``'s first forward pass (after the
+        previous update: the state exists by then)."""
+        target_param = self._param(param)
+
+        def corrupt() -> None:
+            state = self.optimizer.state.get(target_param, {})
+            if key not in state:
+                raise ValueError(f"the optimizer holds no {key!r} for {param} (it has {sorted(map(str, state))})")
+            target = _local(state[key])
+            if not 0 <= bit < target.element_size() * 8 or not 0 <= index < target.numel():
+                raise ValueError(f"bit {bit} / index {index} out of range for {param} [{key}]")
+            flip_bit(target.data, index, bit)
+
+        self._before_forward(rank, step, corrupt, f"optimizer state bit {bit} of {param} [{key}][{index}] at step "
+                                                  f"{step}")
 
     def swap_rows(self, *, rank: int, step: int, param: str | None = None, rows: tuple[int, int] = (0, 1)) -> None:
         target = _local(self._param(param))

@@ -592,6 +592,8 @@ class SDCMonitor:
             changed = at_rest.decide(m.step, m.at_rest, self.layout.gather_objects, self._ranks)
             if changed is not None:
                 finding, result = at_rest.merge(changed, finding), "fail"
+                if self._weights is not None:
+                    self._weights.refereed(finding)
         return finding, result
 
     def _replay_verdict(self, step: int, high: list[int], low: list[int], findings: list[Finding]

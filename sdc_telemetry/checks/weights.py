@@ -69,6 +69,12 @@ class WeightsCheck:
             finding = self.gather(table)
         return finding, "fail" if finding is not None else "pass"
 
+    def refereed(self, finding: Finding) -> None:
+        """The last vote's finding as the at-rest check settled it (``checks/at_rest.merge``): while the replicas
+        keep the same split, later steps repeat this finding (one episode) instead of the vote's own."""
+        if self._split is not None:
+            self._split = (self._split[0], self._split[1], finding)
+
     def _names_by_position(self) -> list[list[str]]:
         """Every position's parameter names (gathered at the first vote, once: pipeline stages hold different
         parameters, and the evidence must name each suspect's own, identically on every rank)."""

@@ -55,6 +55,8 @@ def run_one(rank: int, shape: tuple[int, ...], sc: dict[str, Any]) -> dict[str, 
     faults = FaultInjector(model, opt)
     if sc.get("perturb"):
         faults.perturb_output(**sc["perturb"])
+    if sc.get("state_flip"):  # memory corruption of one rank's optimizer state (its own shard's Adam moment)
+        faults.flip_state_bit(**sc["state_flip"])
     recorder = Recorder()
     monitor = None
     if sc.get("monitor", True):

@@ -89,7 +89,9 @@ def test_each_fault_is_caught_at_its_step_naming_the_rank(world: int, bad: int, 
 
 @pytest.mark.parametrize("verdicts", VERDICTS)
 def test_two_replicas_separate_transient_from_persistent_compute_faults(verdicts: str) -> None:
-    """World 2: a fault the rank cannot reproduce names it; a reproducible one is ambiguous and names both."""
+    """World 2: a fault the rank cannot reproduce names it; a reproducible one is ambiguous and names both. Memory
+    that changes at rest (a weight bit, an Adam moment) is named on its rank alone: the at-rest check referees the
+    two replicas' vote, which by itself cannot say which one is right."""
     scenarios = on_path([
         {"config": {"replay_every": 2}, "steps": 5,
          "fault": {"kind": "perturb_output", "rank": 1, "step": 2, "module": "act", "relative": 1e-3,
@@ -97,8 +99,14 @@ def test_two_replicas_separate_transient_from_persistent_compute_faults(verdicts
         {"config": {"replay_every": 2}, "steps": 3,
          "fault": {"kind": "perturb_output", "rank": 0, "step": 2, "module": "act", "relative": 1e-3}},
         {"config": {"replay_every": 2}, "bad_batch": True},
+        {"config": {"replay_every": 0}, "steps": 5,
+         "fault": {"kind": "flip_weight_bit", "rank": 1, "step": 3, "param": "fc1.weight", "index": 9, "bit": 17}},
+        {"config": {"replay_every": 0}, "steps": 4,
+         "fault": {"kind": "flip_state_bit", "rank": 0, "step": 2, "param": "fc2.weight", "key": "exp_avg_sq",
+                   "index": 3, "bit": 27}},
     ], verdicts)
-    transient, persistent, bad_batch = zip(*spawn_ranks(run_scenarios, 2, (scenarios,), timeout=120), strict=True)
+    transient, persistent, bad_batch, weight, moment = zip(*spawn_ranks(run_scenarios, 2, (scenarios,), timeout=120),
+                                                           strict=True)
     _assert_collective(list(transient))
     _assert_collective(list(persistent))
     assert _verdicts(transient[0]) == [(2, "replay", (1,), False)]
@@ -107,6 +115,17 @@ def test_two_replicas_separate_transient_from_persistent_compute_faults(verdicts
     assert _verdicts(persistent[0]) == [(2, "replay", (0, 1), True)]
     assert _first(persistent[0])["evidence"]["fault"] == "persistent"
     assert all("batch['meta'][1]" in r["error"] and "builtins.object" in r["error"] for r in bad_batch)
+    _assert_collective(list(weight))
+    # the flip persists, so the vote keeps disagreeing (the same episode); the at-rest check named rank 1 at once
+    assert _verdicts(weight[0]) == [(3, "weights", (1,), False)]  # one episode: the split stays refereed
+    ev = _first(weight[0])["evidence"]
+    assert ev["verdict"] == "at_rest" and ev["differing_parameters"] == {"1": ["fc1.weight"]}
+    assert ev["vote"]["ambiguous"] is True and ev["vote"]["suspect_ranks"] == [0, 1]
+    # the moment is not replicated in the vote: only the at-rest check sees it; the next update spreads nothing
+    # to the other replica (the state is this rank's own), so the weights diverge later: that is the vote's to see
+    _assert_collective(list(moment))
+    assert _verdicts(moment[0])[0] == (2, "weights", (0,), False)
+    assert _first(moment[0])["evidence"]["differing_parameters"] == {"0": ["fc2.weight [exp_avg_sq]"]}
 
 
 def test_common_training_loop_shapes_raise_no_false_alarm() -> None:

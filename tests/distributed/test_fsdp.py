@@ -38,8 +38,9 @@ def _same(per_rank: tuple[dict[str, Any], ...]) -> list[Any]:
 
 
 def test_hsdp_shard_bit_flip_found_by_weights_on_that_rank(hsdp: dict[str, Any]) -> None:
-    """A flipped bit in rank 3's shard is named by the weight check at that step, voted among its shard's replicas."""
-    assert _same(hsdp["flip"])[0] == (3, "weights", [3], None)
+    """A flipped bit in rank 3's shard is named by the weight check at that step: by the vote among its shard's
+    replicas and by rank 3's own at-rest comparison."""
+    assert _same(hsdp["flip"])[0] == (3, "weights", [3], "at_rest")
 
 
 def test_hsdp_nan_in_one_batch_is_data_after_a_triggered_audit(hsdp: dict[str, Any]) -> None:
@@ -76,20 +77,30 @@ def test_hsdp_replay_changes_nothing(hsdp: dict[str, Any]) -> None:
         assert all(torch.equal(on["weights"][n], off["weights"][n]) for n in off["weights"])
 
 
-def test_fsdp_1d_compute_fault_found_by_replay() -> None:
-    """A 1-D mesh of 4 (no replicas): replay names the rank with a compute fault; the weight check is off."""
+def test_fsdp_1d_faults_found_by_replay_and_at_rest() -> None:
+    """A 1-D mesh of 4 (no replicas): replay names the rank with a compute fault; no replica holds a shard, so the
+    weights are checked at rest by each rank: a bit flipped in one rank's shard after an update, or in its Adam
+    moment, is named on that rank alone."""
     scenarios = [{"config": {"replay_every": 2}, "steps": 4,
                   "perturb": {"rank": 2, "step": 1, "module": "l1", "relative": 1e-3}},
                  {"config": {"replay_every": 2}, "steps": 6},
                  {"config": {"replay_every": 2}, "steps": 6, "mixed": True},
                  {"config": {"replay_every": 2, "mode": "tolerance"}, "steps": 6, "mixed": True,
                   "perturb": {"rank": 1, "step": 1, "module": "l1", "relative": 0.05}},
-                 {"config": {"replay_every": 2}, "steps": 6, "mixed": "fp16"}]
-    faulty, healthy, mixed, mixed_faulty, fp16 = zip(*spawn_ranks(run_fsdp, 4, ((4,), scenarios), timeout=300),
-                                                     strict=True)
+                 {"config": {"replay_every": 2}, "steps": 6, "mixed": "fp16"},
+                 {"config": {"replay_every": 0}, "steps": 5,
+                  "flip": {"rank": 1, "step": 3, "param": "l2.weight", "index": 7, "bit": 22}},
+                 {"config": {"replay_every": 0}, "steps": 5,
+                  "state_flip": {"rank": 3, "step": 2, "param": "l1.weight", "key": "exp_avg", "index": 4,
+                                 "bit": 26}}]
+    faulty, healthy, mixed, mixed_faulty, fp16, flip, moment = zip(
+        *spawn_ranks(run_fsdp, 4, ((4,), scenarios), timeout=300), strict=True)
     assert _same(faulty)[0][:3] == (2, "replay", [2])
-    for r in healthy:
-        assert not r["incidents"] and r["counts"]["replay"] == {"pass": 3} and "weights" not in r["counts"]
+    for r in healthy:  # every check counted: the weights at rest from the first update on
+        assert not r["incidents"] and not r["errors"]
+        assert r["counts"]["replay"] == {"pass": 3} and r["counts"]["weights"] == {"skipped": 1, "pass": 5}
+    assert _same(flip) == [(3, "weights", [1], "at_rest")]
+    assert _same(moment) == [(2, "weights", [3], "at_rest")]
     # bf16 parameters, fp32 reduction: the replay reproduces the reduce-scatter input bit for bit, and in tolerance
     # mode a 5% compute fault is still named.
     for r in mixed:

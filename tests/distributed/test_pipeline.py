@@ -54,8 +54,9 @@ def test_pp_dp_healthy_run_counts_every_check_and_changes_nothing(pp: dict[str, 
 
 
 def test_pp_dp_weight_flip_named_with_stage_and_replica(pp: dict[str, Any]) -> None:
-    """A bit flipped in rank 3's (stage 1, replica 1) weights: voted among the three replicas of stage 1."""
-    assert _same(pp["flip"]) == [(2, "weights", [3], None, {"pp": 1, "dp_replicate": 1}, False)]
+    """A bit flipped in rank 3's (stage 1, replica 1) weights: voted among the three replicas of stage 1, and seen
+    at rest by rank 3 itself."""
+    assert _same(pp["flip"]) == [(2, "weights", [3], "at_rest", {"pp": 1, "dp_replicate": 1}, False)]
 
 
 def test_pp_dp_compute_fault_found_by_replaying_the_schedule(pp: dict[str, Any]) -> None:

@@ -145,13 +145,17 @@ def test_one_persistent_fault_is_one_episode(three_ranks: dict[str, Any]) -> Non
 
 def test_a_new_divergence_during_an_episode_is_seen_at_its_step(three_ranks: dict[str, Any]) -> None:
     """Record mode: a second rank's weights diverging while the first episode is open changes the pattern, so the
-    tables are gathered again at that step and the new split is reported (here: no majority left, ambiguous)."""
+    tables are gathered again at that step and the new split is reported: the vote has no majority left, and the
+    at-rest check names the rank whose memory changed (rank 2), which the later steps of that split repeat."""
     per_rank = three_ranks["second_divergence"]
     _same_everywhere(per_rank)
     incidents = per_rank[0]["incidents"]
     assert [(i["step"], i["check"]) for i in incidents] == [(3, "weights"), (8, "weights")]
     assert incidents[0]["suspect_ranks"] == [1] and incidents[0]["last_step"] == 7
-    assert incidents[1]["evidence"]["ambiguous"] is True and 2 in incidents[1]["suspect_ranks"]
+    assert incidents[0]["evidence"]["verdict"] == "at_rest"
+    second = incidents[1]
+    assert second["suspect_ranks"] == [2] and second["evidence"]["verdict"] == "at_rest"
+    assert second["evidence"]["vote"]["ambiguous"] is True and second["last_step"] == 11
     assert all(r["gathers"] == 2 for r in per_rank), [r["gathers"] for r in per_rank]
 
 

@@ -115,7 +115,7 @@ def test_ddp_example_fire_drill_stops_every_rank_then_resumes_from_certified_che
     assert len(re.findall(rf"exitcode\s+: {sdc.EXIT_SDC} \(pid", out)) == 3, out[-3000:]
     # Ranks print concurrently to one pipe, so two lines can run together: match each message on its own.
     stops = re.findall(r"rank (\d) stops with exit code 75 \(monitor closed in [\d.]+ ms\): SDC incident: "
-                       r"check=weights step=12 suspects: host=\S+ rank=(\d)", out)
+                       r"check=weights step=12 verdict=at_rest suspects: host=\S+ rank=(\d)", out)
     assert sorted(stops) == [("0", "2"), ("1", "2"), ("2", "2")], out[-3000:]
 
     resumed = torchrun("ddp_train.py", "--steps", "14", "--checkpoint", ckpt, "--resume")

@@ -62,6 +62,8 @@ def check_run(run: Run, layout: str | None, checks_expected: set[str]) -> list[d
         assert set(checks) == checks_expected, (r["rank"], checks)
         assert checks["grad_local"].get("pass", 0) >= STEPS - 1, (r["rank"], checks)
         assert checks["replay"].get("pass", 0) >= 1, (r["rank"], checks)
+        # no replica of a shard in these layouts: the weights are checked at rest, from the first update on
+        assert checks["weights"].get("pass", 0) >= STEPS - 1, (r["rank"], checks)
         assert not any(result == "error" for per in checks.values() for result in per), (r["rank"], checks)
         assert not [i for i in r["incidents"] if i["step"] < FAULT_STEP], r
     assert reports[FAULT_RANK]["faults_fired"], reports[FAULT_RANK]
@@ -85,7 +87,7 @@ def test_pipeline_fsdp_trainer_runs_every_check_and_names_the_faulty_stage(pipel
     rank: gradient checks and the replay pass on the healthy audit (step 0) with no check erroring, and a transient
     compute fault on rank 3 (stage 1) at step 2 is found by the replay, naming rank 3 among the ranks of its replica
     (dp_shard=1: the perturbed activations' gradients flow back into stage 0 too) and no rank of the other."""
-    reports = check_run(pipeline_run, None, {"grad_local", "grad_reduced", "replay"})
+    reports = check_run(pipeline_run, None, {"grad_local", "grad_reduced", "replay", "weights"})
     for r in reports:
         replay = [i for i in r["incidents"] if i["check"] == "replay"]
         assert [i["step"] for i in replay] == [FAULT_STEP], r
@@ -100,7 +102,7 @@ def test_fsdp_tp_trainer_runs_every_check_and_names_the_faulty_replica(tp_run: R
     replay pass on the healthy audit (step 0), none erroring, the weight check off (no dp_replicate replicas); a
     transient compute fault on rank 3 (dp_shard 1, tp 1) at step 2 is found by the replay, naming the ranks of its
     replica (the fault spreads to tp 0 through the tensor-parallel collectives) with their mesh coordinates."""
-    reports = check_run(tp_run, "dp_shard x tp", {"grad_local", "grad_reduced", "replay"})
+    reports = check_run(tp_run, "dp_shard x tp", {"grad_local", "grad_reduced", "replay", "weights"})
     for r in reports:
         assert r["checks"]["grad_reduced"].get("pass", 0) >= STEPS - 1, r
         replay = [i for i in r["incidents"] if i["check"] == "replay"]

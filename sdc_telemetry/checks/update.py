@@ -1,0 +1,404 @@
+"""``update``: a partner recomputes one rank's optimizer step and compares the result with what the rank applied.
+
+Where no replica holds a tensor (FSDP2 on a 1-D mesh, sharded optimizers) a wrong update of a rank's own shard (a
+faulty unit in the optimizer's kernel) spreads nowhere else, so neither the vote nor the replay can see it; with two
+replicas the vote cannot say which update was wrong. The audit, every ``update_every`` steps:
+
+1. In the optimizer's step pre-hook (local, no collective: the step may be skipped on some rank), this rank copies
+   a slice of its local shards, the pre-update parameter, its gradient as the optimizer sees it (clipped, unscaled)
+   and its optimizer state, with the group's hyper-parameters; in the post-hook it fingerprints what the update made
+   of them. Slices rotate through the parameters, each bounded in bytes (``slice_bytes``): an audit holds one slice.
+2. At the end of the next step (every rank reaches it; run only when every rank holds its slice, agreed in the
+   status vector), every rank sends its slice to the rank that audits it (a partner on another host) and receives
+   the slice of the rank it audits: one point-to-point exchange of about three shards of the slice.
+3. The partner recomputes that update with a fresh optimizer of the same class and hyper-parameters (the
+   implementation the origin used: foreach, fused, or one tensor at a time) and compares fingerprints of the new
+   parameters and state with the origin's. The origin reruns its own slice too: a rerun that reproduces what it
+   applied makes the fault ``persistent``, one that agrees with the partner ``transient``.
+
+Elementwise optimizers only: ``SUPPORTED`` (SGD, Adam, AdamW, in their single-tensor, foreach and fused forms).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sdc_telemetry.core.evidence import MAX_ITEMS
+from sdc_telemetry.core.findings import Finding
+from sdc_telemetry.core.fingerprint import fingerprint, format_fingerprint
+
+__all__ = ["SUPPORTED", "Slice", "UpdateAudit", "recompute", "unsupported"]
+
+SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+def unsupported(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why the update audit cannot recompute this optimizer's step (None: it can)."""
+    if type(optimizer) in SUPPORTED:
+        return None
+    names = ", ".join(c.__name__ for c in SUPPORTED)
+    return (f"the update audit recomputes elementwise optimizers only ({names}, and their foreach and fused forms); "
+            f"{type(optimizer).__module__}.{type(optimizer).__qualname__} is not one of them")
+
+
+def _hyper(group: dict[str, Any], params: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """The group's hyper-parameters as the step used them (tensors copied to the host), with the implementation
+    resolved the way the optimizer resolved it for these parameters (foreach/fused on a GPU differ in rounding
+    from the single-tensor loop, and a DTensor parameter takes the single-tensor loop)."""
+    out: dict[str, Any] = {}
+    for k, v in group.items():
+        if k == "params":
+            continue
+        out[k] = v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+    if out.get("foreach") is None and not out.get("fused"):
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+
+        _, foreach = _default_to_fused_or_foreach(list(params), bool(out.get("differentiable", False)),
+                                                  use_fused=False)
+        out["foreach"] = bool(foreach)
+    return out
+
+
+def recompute(cls: Callable[..., torch.optim.Optimizer], hyper: dict[str, Any], param: torch.Tensor,
+              grad: torch.Tensor | None, state: dict[str, Any], step_kwargs: dict[str, Any] | None = None
+              ) -> tuple[torch.Tensor, dict[str, Any]]:
+    """One optimizer step of ``cls`` on copies of ``param``, ``grad`` and ``state`` with ``hyper``: the new
+    parameter and state (plain local tensors)."""
+    p = torch.nn.Parameter(param.detach().clone(), requires_grad=True)
+    p.grad = None if grad is None else grad.detach().clone()
+    opt = cls([p])
+    opt.param_groups[0].update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in hyper.items()})
+    opt.state[p] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    opt.step(**(step_kwargs or {}))
+    return p.detach(), dict(opt.state[p])
+
+
+def _state_labels(name: str, state: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(f"{name} [{k}]", k) for k in sorted(state, key=str)
+            if isinstance(state[k], torch.Tensor) and state[k].numel() > 0]
+
+
+def _fingerprints(params: Sequence[torch.Tensor], states: Sequence[dict[str, Any]], names: Sequence[str]
+                  ) -> tuple[list[str], torch.Tensor]:
+    """Labels and fingerprint rows of the parameters, then of their state tensors, in a fixed order."""
+    labels, tensors = list(names), list(params)
+    for name, state in zip(names, states, strict=True):
+        for label, key in _state_labels(name, state):
+            labels.append(label)
+            tensors.append(state[key])
+    return labels, fingerprint([t.detach() for t in tensors])
+
+
+@dataclass
+class Slice:
+    """One rank's audited slice of an update: what went in (on the host), and fingerprints of what came out."""
+
+    step: int
+    cls: str                                   # the optimizer class, module-qualified
+    names: list[str]
+    params: list[torch.Tensor]                 # pre-update local parameters
+    grads: list[torch.Tensor | None]
+    states: list[dict[str, Any]]               # pre-update state (tensors copied)
+    hyper: list[dict[str, Any]]
+    step_kwargs: dict[str, Any] = field(default_factory=dict)  # grad_scale / found_inf a GradScaler passed
+    labels: list[str] = field(default_factory=list)
+    after: list[tuple[int, ...]] | None = None  # fingerprints of the applied update (host, read at the audit)
+    after_device: torch.Tensor | None = None
+
+    def record(self) -> dict[str, Any]:
+        """The plain record that travels to the partner (loaded with ``weights_only=True``)."""
+        return {"step": self.step, "cls": self.cls, "names": self.names, "params": self.params, "grads": self.grads,
+                "states": self.states, "hyper": self.hyper, "step_kwargs": self.step_kwargs,
+                "labels": self.labels, "after": self.after}
+
+
+def _class(path: str) -> type[torch.optim.Optimizer]:
+    for cls in SUPPORTED:
+        if f"{cls.__module__}.{cls.__qualname__}" == path:
+            return cls
+    raise ValueError(f"not a supported optimizer: {path}")
+
+
+def rerun(record: dict[str, Any], device: torch.device) -> tuple[list[str], list[tuple[int, ...]]]:
+    """Recompute a slice's update on ``device``, one parameter at a time: labels and fingerprint rows."""
+    cls = _class(record["cls"])
+    labels: list[str] = []
+    rows: list[tuple[int, ...]] = []
+    kwargs = {k: v.to(device) for k, v in record["step_kwargs"].items()}
+    for name, p, g, s, hyper in zip(record["names"], record["params"], record["grads"], record["states"],
+                                    record["hyper"], strict=True):
+        state = {k: v.to(device) if isinstance(v, torch.Tensor) and k != "step" else v for k, v in s.items()}
+        new_p, new_s = recompute(cls, hyper, p.to(device), None if g is None else g.to(device), state, kwargs)
+        lab, table = _fingerprints([new_p], [new_s], [name])
+        labels += lab
+        rows += [tuple(r) for r in table.cpu().tolist()]
+        del new_p, new_s, table
+    return labels, rows
+
+
+def _pack(record: dict[str, Any] | None) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(record, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _unpack(data: torch.Tensor) -> dict[str, Any] | None:
+    out = torch.load(io.BytesIO(data.cpu().numpy().tobytes()), map_location="cpu", weights_only=True)
+    return out if isinstance(out, dict) else None
+
+
+def _exchange(payload: torch.Tensor, send_to: int, recv_from: int, group: Any, wire: torch.device) -> torch.Tensor:
+    def p2p(out: torch.Tensor, into: torch.Tensor) -> None:
+        ops = [dist.P2POp(dist.isend, out, send_to, group), dist.P2POp(dist.irecv, into, recv_from, group)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+
+    size_out = torch.tensor([payload.numel()], dtype=torch.int64, device=wire)
+    size_in = torch.zeros(1, dtype=torch.int64, device=wire)
+    p2p(size_out, size_in)
+    data_in = torch.empty(int(size_in.item()), dtype=torch.uint8, device=wire)
+    p2p(payload.to(wire), data_in)
+    return data_in
+
+
+class UpdateAudit:
+    """This rank's side of the update audit: the slices, the snapshot around the update, the exchange and the
+    comparison. ``local``: this rank's share of a tensor; ``slice_bytes``: the most host bytes one slice holds."""
+
+    def __init__(self, names: Sequence[str], params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+                 local: Callable[[torch.Tensor], torch.Tensor], every: int, slice_bytes: int) -> None:
+        self._names = list(names)
+        self._params = list(params)
+        self._optimizer = optimizer
+        self._local = local
+        self.every = every
+        self._slice_bytes = slice_bytes
+        self._cursor = 0               # where the next slice starts (rotates through the parameters)
+        self._armed: int | None = None
+        self.pending: Slice | None = None
+        self._chosen: list[int] = []  # the pending slice's parameter indices
+        self.audits = 0
+
+    def due(self, step: int) -> bool:
+        """Step ``step``'s update is audited (its audit runs at the end of step + 1)."""
+        return self.every > 0 and step % self.every == 0
+
+    def arm(self, step: int) -> None:
+        """The update that follows step ``step`` is snapshotted when it is due (nothing held: an earlier slice not
+        audited yet is dropped, its audit skipped)."""
+        self._armed = step if self.due(step) else None
+        if self._armed is not None:
+            self.pending = None
+
+    def ready_for(self, step: int) -> bool:
+        """This rank holds the slice of step ``step``'s update, with what the update made of it."""
+        return self.pending is not None and self.pending.step == step and self.pending.after_device is not None
+
+    def _slice(self) -> list[int]:
+        """The next parameters (indices) whose copies fit in ``slice_bytes`` (at least one), rotating."""
+        tracked = {id(p) for g in self._optimizer.param_groups for p in g["params"]}
+        order = [i for i in range(len(self._params)) if id(self._params[i]) in tracked
+                 and self._params[i].grad is not None]
+        if not order:
+            return []
+        start = next((k for k, i in enumerate(order) if i >= self._cursor), 0)
+        chosen: list[int] = []
+        used = 0
+        for k in range(len(order)):
+            i = order[(start + k) % len(order)]
+            p = self._local(self._params[i])
+            state = self._optimizer.state.get(self._params[i], {})
+            size = p.numel() * p.element_size() * (2 + sum(isinstance(v, torch.Tensor) and v.numel() > 1
+                                                           for v in state.values()))
+            if chosen and used + size > self._slice_bytes:
+                break
+            chosen.append(i)
+            used += size
+        self._cursor = chosen[-1] + 1 if chosen[-1] + 1 < len(self._params) else 0
+        return chosen
+
+    def before_update(self, step: int, kwargs: dict[str, Any]) -> None:
+        """Optimizer pre-hook: copy the slice as the update will read it (local, no collective)."""
+        if self._armed != step:
+            return
+        self._armed = None
+        chosen = self._slice()
+        if not chosen:
+            return
+        group_of = {id(p): g for g in self._optimizer.param_groups for p in g["params"]}
+        host = torch.device("cpu")
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            return self._local(t).detach().to(host, copy=True)
+
+        params, grads, states, hyper = [], [], [], []
+        for i in chosen:
+            p = self._params[i]
+            params.append(copy(p))
+            grads.append(None if p.grad is None else copy(p.grad))
+            states.append({k: copy(v) if isinstance(v, torch.Tensor) else v
+                           for k, v in self._optimizer.state.get(p, {}).items()})
+            hyper.append(_hyper(group_of[id(p)], [p]))
+        step_kwargs = {k: v.detach().to(host, copy=True) for k, v in kwargs.items()
+                       if k in ("grad_scale", "found_inf") and isinstance(v, torch.Tensor)}
+        cls = type(self._optimizer)
+        self.pending = Slice(step=step, cls=f"{cls.__module__}.{cls.__qualname__}",
+                             names=[self._names[i] for i in chosen], params=params, grads=grads, states=states,
+                             hyper=hyper, step_kwargs=step_kwargs)
+        self._chosen = chosen
+
+    def after_update(self, step: int) -> None:
+        """Optimizer post-hook: fingerprints of what the update made of the slice (on the device, no wait)."""
+        s = self.pending
+        if s is None or s.step != step or s.after_device is not None:
+            return
+        params = [self._local(self._params[i]).detach() for i in self._chosen]
+        states = [{k: self._local(v) if isinstance(v, torch.Tensor) else v
+                   for k, v in self._optimizer.state.get(self._params[i], {}).items()} for i in self._chosen]
+        s.labels, s.after_device = _fingerprints(params, states, s.names)
+
+    def audit(self, step: int, pos: int, origin_of: Sequence[int], ranks: Sequence[int], group: Any,
+              wire: torch.device, device: torch.device, gather: Callable[[object], list[object]]
+              ) -> tuple[Finding | None, str]:
+        """Collective (every rank, when every rank is ready for step ``step``): send this rank's slice to the rank
+        that audits it, recompute the slice of ``origin_of[pos]``, rerun this rank's own, gather the outcomes, ask a
+        referee where a persistent mismatch needs one, and decide (the same on every rank). Returns the finding and
+        this rank's result."""
+        mine = self.pending
+        self.pending = None
+        replayer = origin_of.index(pos)
+        error = ""
+        try:
+            assert mine is not None and mine.after_device is not None
+            mine.after = [tuple(r) for r in mine.after_device.cpu().tolist()]
+            payload = _pack(mine.record())
+        except Exception as e:  # noqa: BLE001 - the peer must not wait forever: an empty record goes out
+            error, payload, mine = f"packing the update slice failed: {type(e).__name__}: {e}", _pack(None), None
+        data = _exchange(payload, ranks[replayer], ranks[origin_of[pos]], group, wire)
+        report: dict[str, Any] = {"error": error, "rows": None, "after": None, "own": None, "labels": None}
+        try:
+            theirs = _unpack(data)
+            if theirs is None:
+                raise ValueError("the origin sent no slice")
+            labels, rows = rerun(theirs, device)
+            if labels != theirs["labels"]:
+                raise ValueError("the recomputed state does not hold the origin's tensors")
+            report.update(rows=rows, after=[tuple(r) for r in theirs["after"]], labels=labels)
+        except Exception as e:  # noqa: BLE001
+            report["error"] = error or f"recomputing the origin's update failed: {type(e).__name__}: {e}"
+        if mine is not None:
+            try:
+                report["own"] = rerun(mine.record(), device)[1]
+            except Exception as e:  # noqa: BLE001
+                report["error"] = report["error"] or f"rerunning its own update failed: {type(e).__name__}: {e}"
+        self.audits += 1
+        reports = gather(report)
+        referees = plan_referees(reports, origin_of)
+        verdicts: dict[int, list[tuple[int, ...]] | None] = {}
+        for origin, referee in referees:  # the same list on every rank; each takes part in its own pairs only
+            if pos == origin:
+                _send_sized(payload, ranks[referee], group, wire)
+            elif pos == referee:
+                got = _recv_sized(ranks[origin], group, wire)
+                try:
+                    record = _unpack(got)
+                    verdicts[origin] = rerun(record, device)[1] if record is not None else None
+                except Exception:  # noqa: BLE001
+                    verdicts[origin] = None
+        referee_rows = gather(verdicts) if referees else []
+        by_origin: dict[int, list[tuple[int, ...]] | None] = {}
+        for v in referee_rows:
+            if isinstance(v, dict):
+                by_origin.update(v)
+        finding = decide(reports, origin_of, ranks, by_origin, dict(referees))
+        result = "fail" if finding is not None else "error" if report["error"] else "pass"
+        return finding, result
+
+
+def _send_sized(payload: torch.Tensor, dst: int, group: Any, wire: torch.device) -> None:
+    """The length, then the payload (blocking sends)."""
+    dist.send(torch.tensor([payload.numel()], dtype=torch.int64).view(torch.uint8).to(wire), dst, group=group)
+    dist.send(payload.to(wire), dst, group=group)
+
+
+def _recv_sized(src: int, group: Any, wire: torch.device) -> torch.Tensor:
+    """What ``_sized`` sent: the length, then the payload."""
+    head = torch.zeros(8, dtype=torch.uint8, device=wire)
+    dist.recv(head, src, group=group)
+    size = int(head.cpu().view(torch.int64).item())
+    body = torch.empty(size, dtype=torch.uint8, device=wire)
+    dist.recv(body, src, group=group)
+    return body
+
+
+def plan_referees(reports: Sequence[Any], origin_of: Sequence[int]) -> list[tuple[int, int]]:
+    """(origin, referee) positions for each origin whose applied update its partner did not reproduce while its own
+    rerun did (persistent: the partner or the origin is wrong). The referee is the partner's own partner, where it is
+    neither of the two; none where the world is too small."""
+    world = len(origin_of)
+    out = []
+    for q, r in enumerate(reports):
+        if not isinstance(r, dict) or r.get("rows") is None or r.get("after") is None:
+            continue
+        o = origin_of[q]
+        if r["rows"] == r["after"]:
+            continue
+        own = reports[o].get("own") if isinstance(reports[o], dict) else None
+        if own is not None and own == r["rows"]:
+            continue  # transient: the origin's rerun agrees with its partner
+        referee = origin_of.index(q)  # the rank that audits the partner
+        if world >= 3 and referee not in (o, q):
+            out.append((o, referee))
+    return out
+
+
+def decide(reports: Sequence[Any], origin_of: Sequence[int], ranks: Sequence[int],
+           referee_rows: dict[int, list[tuple[int, ...]] | None], referee_of: dict[int, int]) -> Finding | None:
+    """The update audit's verdict from the gathered reports (``reports[q]``: rank position q's recomputation of
+    ``origin_of[q]``'s slice), the same on every rank."""
+    suspects: list[int] = []
+    details: dict[str, Any] = {}
+    ambiguous = False
+    for q, r in enumerate(reports):
+        if not isinstance(r, dict) or r.get("rows") is None or r.get("after") is None or r["rows"] == r["after"]:
+            continue
+        o = origin_of[q]
+        own = reports[o].get("own") if isinstance(reports[o], dict) else None
+        labels = r["labels"] or []
+        differ = [(labels[i], format_fingerprint(a), format_fingerprint(b))
+                  for i, (a, b) in enumerate(zip(r["after"], r["rows"], strict=True)) if tuple(a) != tuple(b)]
+        entry: dict[str, Any] = {"partner_rank": ranks[q], "differing_tensors": [d[0] for d in differ[:MAX_ITEMS]],
+                                 "differing_tensor_count": len(differ),
+                                 "fingerprints": {d[0]: d[1] for d in differ[:MAX_ITEMS]},
+                                 "partner_fingerprints": {d[0]: d[2] for d in differ[:MAX_ITEMS]}}
+        if own is not None and own == r["rows"]:
+            entry["fault"] = "transient"  # its own rerun computes what the partner computed
+            suspects.append(o)
+        else:
+            entry["fault"] = "persistent"
+            ref = referee_rows.get(o)
+            if o in referee_of:
+                entry["referee_rank"] = ranks[referee_of[o]]
+            if ref is not None and ref == r["rows"]:
+                suspects.append(o)  # the referee computes what the partner computed
+            elif ref is not None and ref == r["after"]:
+                suspects.append(q)  # the referee computes what the origin applied: the partner is wrong
+                entry["fault"] = "partner"
+            else:  # no referee (two ranks), or a third answer: either side may be wrong
+                suspects += [o, q]
+                ambiguous = True
+        details[str(ranks[o])] = entry
+    if not suspects:
+        return None
+    named = sorted(set(suspects))
+    evidence: dict[str, Any] = {"ambiguous": ambiguous, "suspect_count": len(named),
+                                "verdict": "persistent" if any(e["fault"] != "transient" for e in details.values())
+                                else "transient",
+                                "origins": dict(list(details.items())[:MAX_ITEMS])}
+    return Finding("update", tuple(ranks[p] for p in named), evidence)

@@ -1,0 +1,78 @@
+"""The update audit's recomputation (checks/update.py): a fresh optimizer of the same class and hyper-parameters,
+one parameter at a time, reproduces the real step bit for bit; unsupported optimizers are named."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from sdc_telemetry.checks import update as U
+
+CASES: list[tuple[type[torch.optim.Optimizer], dict[str, Any]]] = [
+    (torch.optim.SGD, {"lr": 0.1}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-2}),
+    (torch.optim.Adam, {"lr": 1e-3}),
+    (torch.optim.Adam, {"lr": 1e-3, "amsgrad": True, "weight_decay": 1e-2, "foreach": True}),
+    (torch.optim.AdamW, {"lr": torch.tensor(1e-3), "betas": (0.8, 0.95), "weight_decay": 0.1}),
+    (torch.optim.AdamW, {"lr": 3e-4, "foreach": False, "maximize": True}),
+]
+
+
+@pytest.mark.parametrize(("cls", "hyper"), CASES, ids=lambda c: getattr(c, "__name__", ""))
+def test_recompute_reproduces_the_real_step_bit_for_bit(cls: type[torch.optim.Optimizer],
+                                                        hyper: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    opt = cls(model.parameters(), **hyper)
+    for step in range(4):
+        model(torch.randn(8, 16)).square().mean().backward()
+        before = [(p.detach().clone(), p.grad.detach().clone(),
+                   {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state.get(p, {}).items()},
+                   U._hyper(opt.param_groups[0], [p])) for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        for p, (p0, g0, s0, h) in zip(model.parameters(), before, strict=True):
+            new_p, new_s = U.recompute(cls, h, p0, g0, s0)
+            assert torch.equal(new_p, p.detach()), (step, cls.__name__)
+            for k, v in opt.state[p].items():
+                if isinstance(v, torch.Tensor):
+                    assert torch.equal(new_s[k], v), (step, k)
+
+
+def test_unsupported_optimizers_are_named() -> None:
+    params = [nn.Parameter(torch.ones(2))]
+    assert U.unsupported(torch.optim.AdamW(params)) is None
+    reason = U.unsupported(torch.optim.Adagrad(params))
+    assert reason is not None and "torch.optim.adagrad.Adagrad" in reason and "SGD, Adam, AdamW" in reason
+
+
+def test_decide_names_the_origin_transient_persistent_and_partner() -> None:
+    """Pure rules: position q recomputed origin_of[q]. A mismatch the origin's own rerun agrees with the partner on
+    is transient; one it reproduces needs a referee (the partner's own auditor), who sides with one of the two."""
+    good, bad = [(1, 1)], [(2, 2)]
+    origin_of = [1, 2, 3, 0]  # q recomputes q + 1
+    ranks = [10, 11, 12, 13]
+    ok = {"rows": good, "after": good, "own": good, "labels": ["w"], "error": ""}
+
+    def reports(origin: int, own: list[tuple[int, ...]]) -> list[dict[str, Any]]:
+        out = [dict(ok) for _ in range(4)]
+        out[origin_of.index(origin)] = {**ok, "after": bad}  # the partner's recomputation differs from what it applied
+        out[origin] = {**out[origin], "own": own}
+        return out
+
+    transient = U.decide(reports(2, good), origin_of, ranks, {}, {})
+    assert transient is not None and transient.suspect_ranks == (12,) and transient.evidence["verdict"] == "transient"
+    persistent = reports(2, bad)
+    assert U.plan_referees(persistent, origin_of) == [(2, 0)]  # the auditor of partner 1 referees
+    named = U.decide(persistent, origin_of, ranks, {2: good}, {2: 0})
+    assert named is not None and named.suspect_ranks == (12,) and not named.evidence["ambiguous"]
+    assert named.evidence["origins"]["12"]["referee_rank"] == 10
+    partner = U.decide(persistent, origin_of, ranks, {2: bad}, {2: 0})
+    assert partner is not None and partner.suspect_ranks == (11,) and partner.evidence["origins"]["12"]["fault"] == \
+        "partner"
+    two = U.decide(persistent, origin_of, ranks, {}, {})
+    assert two is not None and two.suspect_ranks == (11, 12) and two.evidence["ambiguous"]
+    assert U.decide([dict(ok) for _ in range(4)], origin_of, ranks, {}, {}) is None
