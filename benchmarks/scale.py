@@ -153,7 +153,8 @@ def _rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     counter.install()
     try:
         plain = _Copy(None, None)
-        monitored = _Copy({"weights_every": 1, "replay_every": spec["replay_every"]}, counter)
+        # the update audit (on by default at W=2, two replicas) is measured by benchmarks/update_audit.py
+        monitored = _Copy({"weights_every": 1, "replay_every": spec["replay_every"], "update_every": 0}, counter)
         n = spec["warmup"] + spec["segment"] * spec["rounds"]
         batches = token_batches(n, spec["batch"], TINY["seq"], TINY["vocab"], seed=100 + rank)
         for copy in (plain, monitored):

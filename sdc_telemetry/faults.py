@@ -266,6 +266,47 @@ class FaultInjector:
 
         return fut.then(corrupt)
 
+    def corrupt_update(self, *, rank: int, step: int, index: int = 0, relative: float = 1e-3) -> None:
+        """A faulty unit in this rank's optimizer kernel, from step ``step`` on: every update an optimizer of this
+        class computes on ``rank`` (the training's, and any recomputation there) scales element ``index`` of each
+        updated parameter (this rank's shard) by ``1 + relative``, inside the step: before the optimizer's
+        post-hooks, so that what the update applied is wrong (not memory changed after it)."""
+        if self.rank != rank:
+            return
+        from torch.optim import Optimizer
+
+        cls = type(self.optimizer)
+        own = cls.__dict__.get("step")  # None: the class inherits its step (AdamW from Adam)
+        hooked = cls.step
+        raw = getattr(hooked, "__wrapped__", hooked)  # torch's wrapper runs the hooks around the class's step
+        injector = self
+
+        def faulty(opt: Any, *args: Any, **kwargs: Any) -> Any:
+            out = raw(opt, *args, **kwargs)
+            if injector.step >= step:
+                with torch.no_grad():
+                    for group in opt.param_groups:
+                        for p in group["params"]:
+                            local = _local(p)
+                            if p.grad is not None and local.numel() > index:
+                                local.view(-1)[index] *= 1 + relative
+                if f"update of step {injector.step}" not in injector.fired:
+                    injector.fired.append(f"update of step {injector.step}")
+            return out
+
+        wrapped = Optimizer.profile_hook_step(faulty)  # type: ignore[arg-type]
+        wrapped.hooked = True  # type: ignore[attr-defined]
+        cls.step = wrapped  # type: ignore[method-assign, assignment]
+
+        class _Restore:
+            def remove(self) -> None:
+                if own is None:
+                    del cls.step
+                else:
+                    cls.step = own  # type: ignore[method-assign]
+
+        self._handles.append(_Restore())  # type: ignore[arg-type]
+
     def close(self) -> None:
         for h in self._handles:
             h.remove()

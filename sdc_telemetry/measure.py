@@ -44,6 +44,7 @@ class Measured:
     grads: bool = True           # gradient results belong to this hook point
     deferred: bool = False       # decided one step later (the step's batch and weights are gone by then)
     at_rest: Compared | None = None  # this rank's at-rest comparison, for the rare path
+    update_audit: bool = False   # the previous step's update is audited at this hook point
 
 
 class StepMeasurer:
@@ -60,7 +61,8 @@ class StepMeasurer:
         self._absent: torch.Tensor | None = None  # the status vector's absent-slot mask, made once
 
     def measure(self, step: int, loss: torch.Tensor | None, scaler_used: bool, *, weights: bool,
-                audit: bool = False, snapshot: bool = False, grads: bool = True) -> Measured:
+                audit: bool = False, snapshot: bool = False, grads: bool = True,
+                update_ready: bool | None = None) -> Measured:
         """This rank's measurements and the launched agreement (no host synchronisation). ``snapshot`` keeps copies
         of what the next step overwrites, for a verdict read one step later; ``grads=False`` (an on-demand weight
         check) measures the weights only."""
@@ -68,6 +70,7 @@ class StepMeasurer:
         host = [0] * S.FIELDS
         host[S.STEP] = step
         host[S.SCALER] = int(scaler_used)
+        host[S.UPDATE_READY] = int(bool(update_ready))
         nonfinite = torch.zeros(2, dtype=torch.int64, device=self.device)
         digest = torch.zeros(1, dtype=torch.int64, device=self.device)
         # local, reduced, loss, reduction checksum flag
@@ -139,5 +142,5 @@ class StepMeasurer:
                      "weights": weights_s}
         return Measured(step=step, mine=host, agreement=agreement, weights_due=weights, audit=audit, table=table,
                          norms=record.norms.clone() if snapshot else record.norms, durations=durations,
-                         grads=grads, deferred=snapshot, at_rest=at_rest)
+                         grads=grads, deferred=snapshot, at_rest=at_rest, update_audit=update_ready is not None)
 

@@ -30,13 +30,17 @@ import torch.distributed as dist
 
 from sdc_telemetry.checks import at_rest
 from sdc_telemetry.checks import grad as grad_check
+from sdc_telemetry.checks import update as update_check
 from sdc_telemetry.checks.at_rest import AtRestCheck
 from sdc_telemetry.checks.outliers import OutlierTrigger
+from sdc_telemetry.checks.pairing import plan_pairs
 from sdc_telemetry.checks.replay import ReplayCheck, pipeline_loss
 from sdc_telemetry.checks.triggers import TriggeredAudits
+from sdc_telemetry.checks.update import UpdateAudit
 from sdc_telemetry.checks.weights import WeightsCheck
 from sdc_telemetry.core import status as S
 from sdc_telemetry.core.certificate import WeightCertificate, format_fingerprint
+from sdc_telemetry.core.collective import collective_device
 from sdc_telemetry.core.config import SDCConfig
 from sdc_telemetry.core.episodes import Episodes
 from sdc_telemetry.core.findings import Finding
@@ -153,6 +157,7 @@ class SDCMonitor:
         # referee two replicas (checks/at_rest.py).
         self._at_rest = AtRestCheck([n for n, _ in every], [p for _, p in every], optimizer, layout.local) \
             if self.config.weights_every else None
+        self._update = self._plan_update_audit(optimizer, every)
         reason = layout.weights_off_reason()
         if replicas and reason and self.config.weights_every and self._writer:
             log.warning("sdc_telemetry: %s; the at-rest check still compares each rank's own shards between the "
@@ -177,8 +182,11 @@ class SDCMonitor:
                                       self._replay, self._outliers, self._internal_error, at_rest=self._at_rest)
         layout.install(self._record, reduced_checks=self.config.grad_checks)
         self._handles = [optimizer.register_step_post_hook(self._after_update)]
+        if self._update is not None:
+            self._handles.append(optimizer.register_step_pre_hook(self._before_update))
 
         self._next_step = start_step
+        self._first_step = start_step
         self._step = start_step - 1
         self._pending: Measured | None = None
         self._absent: torch.Tensor | None = None
@@ -463,8 +471,11 @@ class SDCMonitor:
         weights_due = (self._weights is not None or self._at_rest is not None) and self.config.weights_every > 0 \
             and step % self.config.weights_every == 0
         audit = self._replay is not None and self._replay.due(step)
-        deferred = self._defer_verdicts and not audit
-        measured = self._measure(step, weights=weights_due, audit=audit, snapshot=deferred)
+        # the update of the step before is audited here (decided at once, like a replay audit)
+        update_ready = self._update.ready_for(step - 1) if self._update is not None and self._update.due(step - 1) \
+            and step > self._first_step else None
+        deferred = self._defer_verdicts and not audit and update_ready is None
+        measured = self._measure(step, weights=weights_due, audit=audit, snapshot=deferred, update_ready=update_ready)
         self._ended = measured
         previous, self._pending = self._pending, (measured if deferred else None)
         raised: SDCDetected | None = None
@@ -484,10 +495,10 @@ class SDCMonitor:
     # -- measuring -----------------------------------------------------------------------------------------------
 
     def _measure(self, step: int, *, weights: bool, audit: bool = False, snapshot: bool = False,
-                 grads: bool = True) -> Measured:
+                 grads: bool = True, update_ready: bool | None = None) -> Measured:
         """This rank's measurements and the launched agreement (``measure.StepMeasurer``)."""
         return self._measurer.measure(step, self._loss, self._scaler_used, weights=weights, audit=audit,
-                                      snapshot=snapshot, grads=grads)
+                                      snapshot=snapshot, grads=grads, update_ready=update_ready)
 
     # -- deciding ------------------------------------------------------------------------------------------------
 
@@ -545,6 +556,12 @@ class SDCMonitor:
                 weights_agree = not (finding and self.rank in finding.suspect_ranks)
             if finding is not None:
                 findings.append(finding)
+        if m.update_audit:
+            t = time.perf_counter()
+            finding, results["update"] = self._update_verdict(m, low)
+            durations["update"] = time.perf_counter() - t
+            if finding is not None:
+                findings.append(finding)
         replay: ReplayDeltas | None = None
         if m.audit:
             t = time.perf_counter()
@@ -594,6 +611,23 @@ class SDCMonitor:
                 finding, result = at_rest.merge(changed, finding), "fail"
                 if self._weights is not None:
                     self._weights.refereed(finding)
+        return finding, result
+
+    def _update_verdict(self, m: Measured, low: list[int]) -> tuple[Finding | None, str]:
+        """The audit of the previous step's update, where every rank holds its slice (agreed: the same on every
+        rank); skipped where some rank does not (an update skipped, a failed copy)."""
+        assert self._update is not None
+        if not low[S.UPDATE_READY]:
+            self._update.pending = None
+            return None, "skipped"
+        finding, result = self._update.audit(m.step - 1, self.layout.position, self._update_origin_of, self._ranks,
+                                             self.layout.group, self._update_wire, self.device,
+                                             self.layout.gather_objects)
+        if finding is not None:
+            finding.evidence["update_step"] = m.step - 1
+        if self._update.errors:
+            self._warn_once("update-error", "sdc_telemetry: step %d: the update audit could not run everywhere "
+                            "(counted as errors): %s", m.step, "; ".join(self._update.errors[:3]))
         return finding, result
 
     def _replay_verdict(self, step: int, high: list[int], low: list[int], findings: list[Finding]
@@ -690,6 +724,12 @@ class SDCMonitor:
             self._warn_once("no-step", "sdc_telemetry: optimizer.step() ran without a `with monitor.step(...)` "
                             "block since the last update: no check runs for such steps")
         self._ended_since_update = False
+        if self._update is not None:
+            try:
+                self._update.after_update(self._step)
+            except Exception:  # noqa: BLE001
+                self._update.pending = None
+                self._internal_error("update", "fingerprinting the audited slice after the update failed")
         if self._at_rest is not None:
             nxt = self._step + 1
             try:
@@ -700,6 +740,42 @@ class SDCMonitor:
             except Exception:  # noqa: BLE001 - telemetry never breaks training; counted, the check skips
                 self._at_rest.forget()
                 self._internal_error("weights", "fingerprinting the parameters after the update failed")
+
+    def _before_update(self, _optimizer: Any, _args: Any, kwargs: dict[str, Any]) -> None:
+        """Optimizer pre-step hook: the update audit's copy of its slice (local; never a collective)."""
+        assert self._update is not None
+        try:
+            self._update.before_update(self._step, kwargs)
+        except Exception:  # noqa: BLE001 - telemetry never breaks training; counted, that audit skips
+            self._update.pending = None
+            self._internal_error("update", "copying the audited slice before the update failed")
+
+    def _plan_update_audit(self, optimizer: torch.optim.Optimizer,
+                           every: list[tuple[str, torch.nn.Parameter]]) -> UpdateAudit | None:
+        """The update audit, where it is asked for (``update_every``) or useful (``"auto"``: the vote cannot name
+        a rank) and the optimizer's step can be recomputed."""
+        n = self.config.update_every
+        reason = update_check.unsupported(optimizer)
+        layout = self.layout
+        holders = self._world // max(layout.digest_slots, 1) if layout.weight_replicas else 1
+        if n == "auto":
+            n = self.config.replay_every if reason is None and self._world > 1 and holders <= 2 else 0
+        elif n and reason is not None:
+            raise ValueError(f"SDCConfig.update_every={n}: {reason}")
+        elif n and self._world < 2:
+            if self._writer:
+                log.warning("sdc_telemetry: SDCConfig.update_every=%d: the update audit needs a partner rank and is "
+                            "off in a single process", n)
+            n = 0
+        if not n:
+            return None
+        hosts = [self.identities[r].host_name if r in self.identities else str(r) for r in self._ranks]
+        pairing = plan_pairs(hosts)
+        self._update_origin_of = [pairing.origin(q, pairing.shifts[0]) for q in range(len(self._ranks))]
+        self._update_wire = collective_device(layout.group, self.device)
+        largest = max(p.numel() * p.element_size() for _, p in every)
+        return UpdateAudit([name for name, _ in every], [p for _, p in every], optimizer, layout.local, n,
+                           slice_bytes=2 * largest)
 
     def weights_changed(self) -> None:
         """Say that the weights (or the optimizer's state) were changed on purpose outside ``optimizer.step()``

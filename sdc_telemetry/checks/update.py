@@ -86,9 +86,12 @@ def _state_labels(name: str, state: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _fingerprints(params: Sequence[torch.Tensor], states: Sequence[dict[str, Any]], names: Sequence[str]
                   ) -> tuple[list[str], torch.Tensor]:
-    """Labels and fingerprint rows of the parameters, then of their state tensors, in a fixed order."""
-    labels, tensors = list(names), list(params)
-    for name, state in zip(names, states, strict=True):
+    """Labels and fingerprint rows of each parameter followed by its state tensors, in a fixed order."""
+    labels: list[str] = []
+    tensors: list[torch.Tensor] = []
+    for name, param, state in zip(names, params, states, strict=True):
+        labels.append(name)
+        tensors.append(param)
         for label, key in _state_labels(name, state):
             labels.append(label)
             tensors.append(state[key])
@@ -180,21 +183,14 @@ class UpdateAudit:
         self.every = every
         self._slice_bytes = slice_bytes
         self._cursor = 0               # where the next slice starts (rotates through the parameters)
-        self._armed: int | None = None
         self.pending: Slice | None = None
         self._chosen: list[int] = []  # the pending slice's parameter indices
         self.audits = 0
+        self.errors: list[str] = []    # the last audit's errors, every rank's (gathered)
 
     def due(self, step: int) -> bool:
         """Step ``step``'s update is audited (its audit runs at the end of step + 1)."""
         return self.every > 0 and step % self.every == 0
-
-    def arm(self, step: int) -> None:
-        """The update that follows step ``step`` is snapshotted when it is due (nothing held: an earlier slice not
-        audited yet is dropped, its audit skipped)."""
-        self._armed = step if self.due(step) else None
-        if self._armed is not None:
-            self.pending = None
 
     def ready_for(self, step: int) -> bool:
         """This rank holds the slice of step ``step``'s update, with what the update made of it."""
@@ -224,10 +220,12 @@ class UpdateAudit:
         return chosen
 
     def before_update(self, step: int, kwargs: dict[str, Any]) -> None:
-        """Optimizer pre-hook: copy the slice as the update will read it (local, no collective)."""
-        if self._armed != step:
+        """Optimizer pre-hook after step ``step``'s block: when that update is audited, copy the slice as the update
+        will read it (local, no collective). A slice not audited yet is dropped (its audit skipped); a second
+        ``optimizer.step()`` in the same step is not audited."""
+        if not self.due(step) or (self.pending is not None and self.pending.step == step):
             return
-        self._armed = None
+        self.pending = None
         chosen = self._slice()
         if not chosen:
             return
@@ -299,6 +297,8 @@ class UpdateAudit:
                 report["error"] = report["error"] or f"rerunning its own update failed: {type(e).__name__}: {e}"
         self.audits += 1
         reports = gather(report)
+        self.errors = [f"rank {ranks[q]}: {r['error']}" for q, r in enumerate(reports)
+                       if isinstance(r, dict) and r.get("error")]
         referees = plan_referees(reports, origin_of)
         verdicts: dict[int, list[tuple[int, ...]] | None] = {}
         for origin, referee in referees:  # the same list on every rank; each takes part in its own pairs only

@@ -34,6 +34,10 @@ class SDCConfig:
 
     - ``weights_every``: run the weight-fingerprint check after every Nth optimizer step (0 = off).
     - ``replay_every``: audit steps k with k % N == 0 by cross-replica replay (0 = off; needs ``loss_fn``).
+    - ``update_every``: audit the optimizer's update of steps k with k % N == 0: a partner recomputes a slice of
+      this rank's update and compares (0 = off). ``"auto"``: ``replay_every``, where the weight vote cannot name a
+      rank (no replica holds a tensor, or two replicas) and the optimizer is one the audit can recompute (SGD, Adam,
+      AdamW); off otherwise.
     - ``grad_checks``: non-finite checks of local (pre all-reduce) and reduced gradients.
     - ``mode``: ``"exact"`` compares loss and gradient fingerprints bit for bit; ``"tolerance"`` compares relative
       deltas against ``tolerance``; ``"auto"`` is exact on CPU and under ``torch.use_deterministic_algorithms``,
@@ -63,6 +67,7 @@ class SDCConfig:
 
     weights_every: int = 1
     replay_every: int = 100
+    update_every: int | Literal["auto"] = "auto"
     grad_checks: bool = True
     mode: Mode = "auto"
     tolerance: float | Literal["auto"] = "auto"
@@ -84,6 +89,9 @@ class SDCConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"SDCConfig.{name} must be an int >= 0 (0 = off), got {value!r}")
+        every = self.update_every
+        if every != "auto" and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
+            raise ValueError(f"SDCConfig.update_every must be 'auto' or an int >= 0 (0 = off), got {every!r}")
         for name in ("grad_checks", "nvml", "trigger_audits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SDCConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -230,6 +238,8 @@ def _parse(var: str, raw: str, name: str) -> Any:
             raise ValueError(text)
         if name == "tolerance":
             return text if text == "auto" else float(text)
+        if name == "update_every":
+            return text if text == "auto" else int(text)
     except ValueError:
         raise ValueError(f"environment variable {var}={raw!r} is not a valid value for SDCConfig.{name}") from None
     return text

@@ -7,7 +7,7 @@ from typing import Any
 
 __all__ = ["Finding", "CHECKS"]
 
-CHECKS = ("grad_local", "grad_reduced", "replay", "weights")
+CHECKS = ("grad_local", "grad_reduced", "replay", "weights", "update")
 
 
 @dataclass(frozen=True)

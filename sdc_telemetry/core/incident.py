@@ -98,7 +98,7 @@ class SDCDetected(RuntimeError):
 
 # What can cause what within one step: corrupted weights break the step's gradients, a non-finite local gradient
 # spreads through the reduction, and every one of them makes the replay disagree.
-CAUSAL_ORDER = ("weights", "grad_local", "grad_reduced", "replay")
+CAUSAL_ORDER = ("update", "weights", "grad_local", "grad_reduced", "replay")
 
 
 def root_cause(incidents: Sequence[Incident]) -> list[Incident]:

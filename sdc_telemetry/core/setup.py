@@ -24,8 +24,8 @@ __all__ = ["DETECTION_FIELDS", "agree_setup", "resolve_mode"]
 log = logging.getLogger("sdc_telemetry")
 
 # The SDCConfig fields that decide what is checked, when, and how verdicts are reached.
-DETECTION_FIELDS = ("weights_every", "replay_every", "grad_checks", "mode", "tolerance", "on_suspect",
-                    "trigger_audits", "verdicts")
+DETECTION_FIELDS = ("weights_every", "replay_every", "update_every", "grad_checks", "mode", "tolerance",
+                    "on_suspect", "trigger_audits", "verdicts")
 
 
 def _hash64(text: str) -> int:

@@ -14,16 +14,17 @@ import torch
 
 __all__ = ["STEP", "LOCAL_MEASURED", "LOCAL_NONFINITE", "REDUCED_MEASURED", "REDUCED_NONFINITE", "ERROR", "REPEATED",
            "REPLAYABLE", "SCALER", "WEIGHTS_ERROR", "DIGEST", "REDUCED_CHECKSUM", "LOSS_Q", "NORM_Q", "JUMP_Q",
-           "AT_REST", "FIELDS", "GRAD_FIELDS", "OUTLIER_FIELDS", "digests_agree", "pack"]
+           "AT_REST", "UPDATE_READY", "FIELDS", "GRAD_FIELDS", "OUTLIER_FIELDS", "digests_agree", "pack"]
 
 (STEP, LOCAL_MEASURED, LOCAL_NONFINITE, REDUCED_MEASURED, REDUCED_NONFINITE, ERROR, REPEATED, REPLAYABLE, SCALER,
- WEIGHTS_ERROR, DIGEST, REDUCED_CHECKSUM, LOSS_Q, NORM_Q, JUMP_Q, AT_REST) = range(16)
-FIELDS = 16
+ WEIGHTS_ERROR, DIGEST, REDUCED_CHECKSUM, LOSS_Q, NORM_Q, JUMP_Q, AT_REST, UPDATE_READY) = range(17)
+FIELDS = 17
 # REDUCED_CHECKSUM: the layout's reduce-phase checksum disagreed on this rank (1), or was not measured (0).
 # LOSS_Q, NORM_Q, JUMP_Q: this rank's loss and local gradient norm, quantized (checks/outliers.py), and its jump
 # against its own recent history: the spread between ranks comes from their MAX and MIN.
 # AT_REST: 0 nothing compared, 1 unchanged, 2 this rank's parameters or optimizer state changed between the update
 # and the weight check (checks/at_rest): MAX says whether any rank changed, MIN whether every rank compared.
+# UPDATE_READY: this rank holds its slice of the audited update (checks/update): MIN says whether the audit can run.
 GRAD_FIELDS = (LOCAL_MEASURED, LOCAL_NONFINITE, REDUCED_MEASURED, REDUCED_NONFINITE)
 OUTLIER_FIELDS = (LOSS_Q, NORM_Q, JUMP_Q)
 

@@ -74,8 +74,19 @@ SUSPECTS: dict[str, _Suspect] = {
         "SDCWeightFingerprintMismatch",
         summary=f"SDC: weights of {WHO} differ from the other replicas",
         description=f"The weight-fingerprint check found that {WHO} holds parameters that differ from the "
-                    "replicas' majority. Its memory or arithmetic silently corrupted the model: stop the job or let "
-                    "it stop, drain the node, and resume from a checkpoint certified before the incident step.",
+                    "replicas' majority, or parameters or optimizer state that changed in its memory between the "
+                    "update and the check (at rest). Its memory or arithmetic silently corrupted the model: stop the "
+                    "job or let it stop, drain the node, and resume from a checkpoint certified before the incident "
+                    "step.",
+    ),
+    "update": _Suspect(
+        "SDCUpdateMismatch",
+        summary=f"SDC: the optimizer update applied by {WHO} is not what a partner recomputes",
+        description=f"The update audit named {WHO}: a partner recomputed its optimizer step for its own shards "
+                    "from the same parameters, gradients, state and hyper-parameters and got other values (a referee "
+                    "or the rank's own rerun settled which side is wrong). Where no replica holds the shard, the "
+                    "wrong values are in the model and its optimizer state: stop the job or let it stop, drain the "
+                    "node, and resume from a checkpoint certified before the incident step.",
     ),
     "replay": _Suspect(
         "SDCReplayMismatch",

@@ -57,6 +57,8 @@ def run_one(rank: int, shape: tuple[int, ...], sc: dict[str, Any]) -> dict[str, 
         faults.perturb_output(**sc["perturb"])
     if sc.get("state_flip"):  # memory corruption of one rank's optimizer state (its own shard's Adam moment)
         faults.flip_state_bit(**sc["state_flip"])
+    if sc.get("corrupt_update"):  # a faulty unit in one rank's optimizer kernel, from a step on
+        faults.corrupt_update(**sc["corrupt_update"])
     recorder = Recorder()
     monitor = None
     if sc.get("monitor", True):
@@ -87,6 +89,7 @@ def run_one(rank: int, shape: tuple[int, ...], sc: dict[str, Any]) -> dict[str, 
     faults.close()
     return {"incidents": [(i.step, i.check, list(i.suspect_ranks), i.evidence.get("verdict"))
                           for i in (monitor.incidents if monitor else [])],
+            "evidence": [i.evidence for i in (monitor.incidents if monitor else [])],
             "counts": recorder.counts(), "errors": recorder.errors,
             "weights": {n: p.to_local().detach().clone() for n, p in model.named_parameters()}}
 

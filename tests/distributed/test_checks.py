@@ -104,9 +104,11 @@ def test_two_replicas_separate_transient_from_persistent_compute_faults(verdicts
         {"config": {"replay_every": 0}, "steps": 4,
          "fault": {"kind": "flip_state_bit", "rank": 0, "step": 2, "param": "fc2.weight", "key": "exp_avg_sq",
                    "index": 3, "bit": 27}},
+        {"config": {"replay_every": 0, "update_every": 1}, "steps": 4,
+         "fault": {"kind": "corrupt_update", "rank": 1, "step": 2, "index": 3, "relative": 1e-3}},
     ], verdicts)
-    transient, persistent, bad_batch, weight, moment = zip(*spawn_ranks(run_scenarios, 2, (scenarios,), timeout=120),
-                                                           strict=True)
+    transient, persistent, bad_batch, weight, moment, update = zip(
+        *spawn_ranks(run_scenarios, 2, (scenarios,), timeout=120), strict=True)
     _assert_collective(list(transient))
     _assert_collective(list(persistent))
     assert _verdicts(transient[0]) == [(2, "replay", (1,), False)]
@@ -126,6 +128,11 @@ def test_two_replicas_separate_transient_from_persistent_compute_faults(verdicts
     _assert_collective(list(moment))
     assert _verdicts(moment[0])[0] == (2, "weights", (0,), False)
     assert _first(moment[0])["evidence"]["differing_parameters"] == {"0": ["fc2.weight [exp_avg_sq]"]}
+    # a faulty optimizer unit on one of two ranks: its partner and it disagree on each other's updates, and with no
+    # third rank to referee the audit names both, ambiguous (a warning, never a page); the healthy audit before passed
+    _assert_collective(list(update))
+    assert _verdicts(update[0])[0] == (2, "update", (0, 1), True)
+    assert all(r["counts"]["update"]["pass"] == 1 for r in update), [r["counts"] for r in update]
 
 
 def test_common_training_loop_shapes_raise_no_false_alarm() -> None:

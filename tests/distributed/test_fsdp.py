@@ -92,15 +92,32 @@ def test_fsdp_1d_faults_found_by_replay_and_at_rest() -> None:
                   "flip": {"rank": 1, "step": 3, "param": "l2.weight", "index": 7, "bit": 22}},
                  {"config": {"replay_every": 0}, "steps": 5,
                   "state_flip": {"rank": 3, "step": 2, "param": "l1.weight", "key": "exp_avg", "index": 4,
-                                 "bit": 26}}]
-    faulty, healthy, mixed, mixed_faulty, fp16, flip, moment = zip(
+                                 "bit": 26}},
+                 {"config": {"replay_every": 0, "update_every": 1}, "steps": 6,
+                  "corrupt_update": {"rank": 2, "step": 2, "index": 3, "relative": 1e-3}}]
+    faulty, healthy, mixed, mixed_faulty, fp16, flip, moment, update = zip(
         *spawn_ranks(run_fsdp, 4, ((4,), scenarios), timeout=300), strict=True)
     assert _same(faulty)[0][:3] == (2, "replay", [2])
-    for r in healthy:  # every check counted: the weights at rest from the first update on
+    for r in healthy:  # every check counted: the weights at rest from the first update on; the updates of steps
+        # 0, 2, 4 audited (update_every follows replay_every where nothing is replicated) at steps 1, 3, 5
         assert not r["incidents"] and not r["errors"]
         assert r["counts"]["replay"] == {"pass": 3} and r["counts"]["weights"] == {"skipped": 1, "pass": 5}
+        assert r["counts"]["update"] == {"pass": 3}, r["counts"]
     assert _same(flip) == [(3, "weights", [1], "at_rest")]
     assert _same(moment) == [(2, "weights", [3], "at_rest")]
+    # rank 2's optimizer computes one element wrong from step 2 on, its own updates and its recomputations alike
+    # (persistent). At step 2 (the audit of update 1) it recomputes its origin's slice wrong: the origin's rerun and
+    # a referee side with the origin, so rank 2 is named as the faulty partner; from the audit of update 2 on its
+    # own update is wrong too (one episode). Rank 2 alone, never its origin.
+    assert _same(update) == [(2, "update", [2], "persistent")]
+    ev = update[0]["evidence"][0]
+    assert ev["ambiguous"] is False and ev["update_step"] == 1
+    [(origin, entry)] = ev["origins"].items()
+    assert entry["fault"] == "partner" and entry["partner_rank"] == 2 and origin != "2"
+    assert entry["referee_rank"] not in (2, int(origin)) and entry["differing_tensor_count"] >= 1
+    for r in update:
+        assert r["counts"]["update"] == {"pass": 1, "fail": 4} and not r["errors"], r["counts"]
+        assert r["counts"]["weights"] == {"skipped": 1, "pass": 5}  # not at rest: the update itself was wrong
     # bf16 parameters, fp32 reduction: the replay reproduces the reduce-scatter input bit for bit, and in tolerance
     # mode a 5% compute fault is still named.
     for r in mixed:

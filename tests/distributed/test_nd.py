@@ -69,7 +69,7 @@ def test_hsdp_tp_weight_bit_flip_named_with_its_coordinate(hsdp_tp: dict[str, An
     """A bit flipped in rank 5's local tp shard: the weight check of that step names it with its mesh coordinate.
     Two replicas alone cannot tell which one is right; rank 5's at-rest comparison can, so rank 5 alone is named."""
     assert [i[:4] for i in _same(hsdp_tp["flip"])] == [(2, "weights", [5], "at_rest")]
-    step, check, suspects, _, coordinate, ambiguous = _same(hsdp_tp["flip"])[0]
+    *_, coordinate, ambiguous = _same(hsdp_tp["flip"])[0]
     assert coordinate is not None and coordinate["tp"] == 1 and coordinate["dp_shard"] == 0
     assert not ambiguous
 

@@ -23,6 +23,7 @@ RUNBOOK = ROOT / "docs" / "runbook.md"
 # Alert names and severities on-call routing relies on.
 CONTRACT = {
     "SDCWeightFingerprintMismatch": "critical",
+    "SDCUpdateMismatch": "critical",
     "SDCReplayMismatch": "critical",
     "SDCNonFiniteGradient": "critical",
     "SDCCommunicationCorruption": "critical",
@@ -34,8 +35,9 @@ CONTRACT = {
     "GPUUncorrectableECCErrors": "warning",
     "GPUXidErrors": "warning",
 }
-SUSPECT_CHECKS = {"SDCWeightFingerprintMismatch": "weights", "SDCReplayMismatch": "replay",
-                  "SDCNonFiniteGradient": "grad_local", "SDCCommunicationCorruption": "grad_reduced"}
+SUSPECT_CHECKS = {"SDCWeightFingerprintMismatch": "weights", "SDCUpdateMismatch": "update",
+                  "SDCReplayMismatch": "replay", "SDCNonFiniteGradient": "grad_local",
+                  "SDCCommunicationCorruption": "grad_reduced"}
 ABOUT_ONE_RANK = set(CONTRACT) - {"GPUUncorrectableECCErrors", "GPUXidErrors", "SDCTrainingNonFinite"}
 
 
