@@ -44,7 +44,8 @@ def healthy_step_bytes(rank: int, world: int, steps: int) -> dict[str, int]:
     ddp = DistributedDataParallel(Net())
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     monitor = sdc.SDCMonitor(ddp, opt, loss_fn=loss_fn, observer=sdc.Observer(),
-                             config=sdc.SDCConfig(weights_every=1, replay_every=1000, metrics_port=None, nvml=False))
+                             config=sdc.SDCConfig(weights_every=1, replay_every=1000, update_every=0,
+                                                  metrics_port=None, nvml=False))
     gen = torch.Generator().manual_seed(rank)
     tally: dict[str, int] = {}
 

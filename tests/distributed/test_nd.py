@@ -14,7 +14,8 @@ from ._scenarios import VERDICTS, on_path
 HSDP_TP = ((2, 2, 2), ("dp_replicate", "dp_shard", "tp"))
 HSDP_TP_SCENARIOS = {
     "healthy": {"config": {"replay_every": 2}, "steps": 6},
-    "bytes": {"config": {"replay_every": 1000}, "steps": 4, "count_bytes": True},
+    # a healthy step's bytes: step 1 would audit step 0's update (update_every follows replay_every): off here
+    "bytes": {"config": {"replay_every": 1000, "update_every": 0}, "steps": 4, "count_bytes": True},
     "flip": {"config": {"replay_every": 0}, "steps": 4,
              "flip": {"rank": 5, "step": 2, "param": "b1.up.weight", "index": 3, "bit": 12}},
     "compute": {"config": {"replay_every": 3}, "steps": 4,
@@ -23,7 +24,8 @@ HSDP_TP_SCENARIOS = {
 }
 SMALL = ((1, 2, 2), ("dp_replicate", "dp_shard", "tp"))
 SMALL_SCENARIOS = {
-    "bytes": {"config": {"replay_every": 1000}, "steps": 4, "count_bytes": True},
+    # a healthy step's bytes: step 1 would audit step 0's update (update_every follows replay_every): off here
+    "bytes": {"config": {"replay_every": 1000, "update_every": 0}, "steps": 4, "count_bytes": True},
     "sequence_parallel": {"config": {"replay_every": 2}, "steps": 4, "shape": (2, 2), "names": ("dp_shard", "tp"),
                           "sequence_parallel": True},
     "fsdp_tp": {"config": {"replay_every": 2}, "steps": 4, "shape": (2, 2), "names": ("dp_shard", "tp"),
@@ -58,8 +60,9 @@ def test_hsdp_tp_healthy_run_counts_every_check_and_changes_nothing(hsdp_tp: dic
     """2x2x2: every check passes on every rank (replay included, no error), and training is bitwise unmonitored."""
     for r, off in zip(hsdp_tp["healthy"], hsdp_tp["off"], strict=True):
         assert r["incidents"] == [] and r["errors"] == []
+        # two replicas: the updates of steps 0, 2, 4 are audited (at steps 1, 3, 5)
         assert r["counts"] == {"grad_local": {"pass": 6}, "grad_reduced": {"pass": 6}, "weights": {"pass": 6},
-                               "replay": {"pass": 3}}, r["counts"]
+                               "replay": {"pass": 3}, "update": {"pass": 3}}, r["counts"]
         assert r["losses"] == off["losses"]
         assert all(r["weights"][n].equal(w) for n, w in off["weights"].items())
     assert hsdp_tp["healthy"][0]["layout"].startswith("dp_replicate x dp_shard x tp")
@@ -109,4 +112,4 @@ def test_sequence_parallel_norms_replay_as_fsdp_reduces_them(small: dict[str, An
         assert r["incidents"] == [] and r["errors"] == []
         # no replica of a shard (dp_shard x tp): the weights are checked at rest, from the first update on
         assert r["counts"] == {"grad_local": {"pass": 4}, "grad_reduced": {"pass": 4}, "replay": {"pass": 2},
-                               "weights": {"skipped": 1, "pass": 3}}
+                               "weights": {"skipped": 1, "pass": 3}, "update": {"pass": 2}}

@@ -100,11 +100,12 @@ def test_overhead_quick_reports_every_configuration(bench, tmp_path, capsys):
     bench("overhead").main(["--quick", "--out-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "per-step ratio" in out and "Where the time goes" in out
-    assert out.count("target:") == 3
+    assert out.count("target:") == 6
     data = _result(tmp_path, "overhead")
     labels = ["no monitor", "no monitor, Python allreduce comm hook", "no monitor, one read each (floor)",
-              "grad checks", "grad + weights/1", "grad + weights/1, verdicts deferred", "grad + weights/1 + replay/4",
-              "grad + weights/1 + replay/2"]
+              "grad checks", "grad + weights/1", "grad + weights/1, verdicts deferred",
+              "grad + weights/1, at-rest check off", "grad + weights/1 + replay/4", "grad + weights/1 + replay/2",
+              "grad + weights/1 + update/4", "grad + weights/1 + update/2"]
     assert list(data["configs"]) == labels
     # the floor read every local gradient, every reduced gradient and every parameter at every step
     assert data["floor_reads_per_step"] == 3 * data["parameter_tensors"] > 0
@@ -119,8 +120,11 @@ def test_overhead_quick_reports_every_configuration(bench, tmp_path, capsys):
     # every configuration is timed over whole replay periods: 8 timed steps hold 2 audits of replay/4, 4 of replay/2
     assert data["configs"]["grad + weights/1 + replay/4"]["audits"] == 2
     assert data["configs"]["grad + weights/1 + replay/2"]["audits"] == 4
+    # the update audit of step k runs in step k+1: steps 1 and 5 of 0..7 for update/4, 1, 3, 5, 7 for update/2
+    assert data["configs"]["grad + weights/1 + update/4"]["audits"] == 2
+    assert data["configs"]["grad + weights/1 + update/2"]["audits"] == 4
     assert data["incidents"] == dict.fromkeys(labels, 0)
-    assert {"weights_met", "replay_met", "weights_ratio"} <= set(data["targets"])
+    assert {"weights_met", "replay_met", "weights_ratio", "at_rest_added", "update_met"} <= set(data["targets"])
 
 
 def _campaign_shape(campaign: ModuleType, data: dict) -> None:

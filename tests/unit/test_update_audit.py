@@ -76,3 +76,28 @@ def test_decide_names_the_origin_transient_persistent_and_partner() -> None:
     two = U.decide(persistent, origin_of, ranks, {}, {})
     assert two is not None and two.suspect_ranks == (11, 12) and two.evidence["ambiguous"]
     assert U.decide([dict(ok) for _ in range(4)], origin_of, ranks, {}, {}) is None
+
+
+def test_slices_rotate_and_a_local_rerun_reproduces_each() -> None:
+    """One process: the pre-hook copy, the post-hook fingerprints and the rerun agree on every slice; slices rotate
+    through the parameters within their byte bound."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    named = list(model.named_parameters())
+    for cls, hyper in ((torch.optim.AdamW, {}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})):
+        opt = cls(model.parameters(), **hyper)
+        audit = U.UpdateAudit([n for n, _ in named], [p for _, p in named], opt, lambda t: t, 1, slice_bytes=200)
+        seen = []
+        for step in range(5):
+            model(torch.randn(3, 4)).sum().backward()
+            audit.before_update(step, {})
+            opt.step()
+            audit.after_update(step)
+            s = audit.pending
+            assert s is not None and s.after_device is not None and audit.ready_for(step)
+            s.after = [tuple(r) for r in s.after_device.tolist()]
+            labels, rows = U.rerun(s.record(), torch.device("cpu"))
+            assert labels == s.labels and rows == s.after, (cls.__name__, step)
+            seen.append(s.names)
+            opt.zero_grad()
+        assert seen == [["0.weight"], ["0.bias"], ["1.weight"], ["1.bias"], ["0.weight"]]
