@@ -125,7 +125,8 @@ class StepMeasurer:
                     digest = self._weights.measure().reshape(1)
                     table = self._weights.table
                 if self._at_rest is not None:
-                    on_device[S.AT_REST], at_rest = self._at_rest.measure(table)
+                    on_device[S.AT_REST], at_rest = self._at_rest.measure(
+                        table, self._weights.labels if self._weights is not None else None)
             except Exception:  # noqa: BLE001
                 self._on_error("weights", "fingerprinting the parameters failed")
                 host[S.WEIGHTS_ERROR] = 1

@@ -151,8 +151,9 @@ class SDCMonitor:
         # Every parameter, frozen ones included (LoRA-style fine-tuning freezes most weights; they must still agree),
         # each read as this rank holds it, among the ranks that hold the same tensor.
         every = list(self.module.named_parameters())
+        voted_state = optimizer if update_check.unsupported(optimizer) is None else None
         self._weights = WeightsCheck(every, layout.group, self._ranks, layout.weight_classes(classes),
-                                     local=layout.local) if layout.weight_replicas else None
+                                     local=layout.local, optimizer=voted_state) if layout.weight_replicas else None
         # Each rank's own tensors between the update and the weight check: where no replica holds them, and to
         # referee two replicas (checks/at_rest.py).
         self._at_rest = AtRestCheck([n for n, _ in every], [p for _, p in every], optimizer, layout.local) \
@@ -327,7 +328,7 @@ class SDCMonitor:
             majority = self._weights.majority
             if majority is None or self.layout.shard_of is not None:  # no majority of whole tensors to certify
                 raise SDCDetected(incident)
-            rows = [format_fingerprint(row) for row in majority]
+            rows = [format_fingerprint(row) for row in majority[:len(named)]]  # parameters first, then state
         # The buffers are named, not fingerprinted, so that a full state_dict() verifies.
         return WeightCertificate(
             step=step, fingerprints={n: row for (n, _), row in zip(named, rows, strict=True)},

@@ -9,9 +9,10 @@ weight check it fingerprints them again (the parameters' rows come from the vote
 difference names that rank, unambiguously. Nothing but the optimizer's step may change them in between: code that
 does (an EMA written into the weights, a manual clamp, a reload) calls ``SDCMonitor.weights_changed()``.
 
-Healthy path: one more fingerprint read of the local parameters (after the update) and two of the local optimizer
-state per weight check, and one flag in the step's status vector. Only when the flag is up anywhere does every rank
-gather what changed (``decide``).
+Healthy path: one more fingerprint read of the local parameters and optimizer state (after the update) per weight
+check, and one field in the step's status vector; at the check it reuses the vote's table (which holds the
+optimizer state too where replicas hold it), or reads them once where there is no vote. Only when the flag is up
+anywhere does every rank gather what changed (``decide``).
 """
 
 from __future__ import annotations
@@ -96,10 +97,12 @@ class AtRestCheck:
         """The weights changed on purpose (or the update was not seen): no comparison until the next update."""
         self._reference = None
 
-    def measure(self, table: torch.Tensor | None) -> tuple[torch.Tensor, Compared | None]:
+    def measure(self, table: torch.Tensor | None, labels: Sequence[str] | None = None
+                ) -> tuple[torch.Tensor, Compared | None]:
         """The 0-d status (0: nothing compared, 1: unchanged, 2: something changed at rest on this rank; no host
         synchronisation) and the comparison.
-        ``table``: the weight check's fingerprint table of every parameter, when it made one (its rows are reused)."""
+        ``table``: the weight check's fingerprint table, when it made one, and ``labels`` its rows (the parameters
+        first, then the optimizer state it votes on): the rows it holds are reused, not read again."""
         if self._reference is None:
             return torch.zeros((), dtype=torch.int64, device=self._device), None
         labels, ref_params, ref_states, since = self._reference
@@ -113,7 +116,12 @@ class AtRestCheck:
         parts_ref, parts_now = [ref_params], [now_params]
         if ref_states is not None:
             parts_ref.append(ref_states)
-            parts_now.append(fingerprint([t for _, t in state]))
+            where = {label: i for i, label in enumerate(labels)} if table is not None and labels is not None else {}
+            rows_now = [where.get(label) for label, _ in state]
+            if table is not None and rows_now and all(r is not None for r in rows_now):
+                parts_now.append(table.index_select(0, torch.tensor(rows_now, dtype=torch.long, device=table.device)))
+            else:
+                parts_now.append(fingerprint([t for _, t in state]))
         reference, now = torch.cat(parts_ref), torch.cat(parts_now)
         flag = (reference != now).any().to(torch.int64) + 1
         return flag, Compared(labels, reference, now, since)

@@ -29,10 +29,14 @@ class WeightsCheck:
 
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], group: dist.ProcessGroup | None,
                  ranks: Sequence[int], classes: Sequence[Hashable] | None = None,
-                 local: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 local: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         self.names = [n for n, _ in named_params]
-        self._names_of: list[list[str]] | None = None
+        self.labels = list(self.names)  # the last table's rows: the parameters, then their optimizer state
         self._params = [p for _, p in named_params]
+        # Optimizer state (Adam's moments, SGD's momentum) is voted with the weights where every replica holds it
+        # whole for its parameters: the elementwise optimizers the update audit knows (not a sharded optimizer).
+        self._optimizer = optimizer
         self._local = local
         self._group = group
         self._ranks = list(ranks)
@@ -44,8 +48,23 @@ class WeightsCheck:
         self._split: tuple[dict[str, int], set[int], Finding | None] | None = None
 
     def measure(self) -> torch.Tensor:
-        """This rank's fingerprint table, kept for a later ``gather``; returns its digest (0-d, on device)."""
-        self.table = fingerprint([self._local(p) for p in self._params] if self._local else self._params)
+        """This rank's fingerprint table (every parameter, then the optimizer state of each, labelled
+        ``name [key]``), kept for a later ``gather``; returns its digest (0-d, on device)."""
+        local = self._local or (lambda t: t)
+        tensors = [local(p) for p in self._params]
+        labels = list(self.names)
+        if self._optimizer is not None:
+            for name, p in zip(self.names, self._params, strict=True):
+                state = self._optimizer.state.get(p)
+                if not state:
+                    continue
+                for key in sorted(state, key=str):
+                    value = state[key]
+                    if isinstance(value, torch.Tensor) and value.numel() > 0:
+                        tensors.append(local(value))
+                        labels.append(f"{name} [{key}]")
+        self.labels = labels
+        self.table = fingerprint(tensors)
         return digest(self.table)
 
     def verdict(self, step: int, error_any: bool, error_mine: bool, agree: bool, table: torch.Tensor | None,
@@ -76,12 +95,11 @@ class WeightsCheck:
             self._split = (self._split[0], self._split[1], finding)
 
     def _names_by_position(self) -> list[list[str]]:
-        """Every position's parameter names (gathered at the first vote, once: pipeline stages hold different
-        parameters, and the evidence must name each suspect's own, identically on every rank)."""
-        if self._names_of is None:
-            gathered = gather_objects(list(self.names), self._group)
-            self._names_of = [[str(n) for n in names] if isinstance(names, list) else [] for names in gathered]
-        return self._names_of
+        """Every position's row labels, gathered at each vote (the rare path): pipeline stages hold different
+        parameters, optimizer state appears with the first update, and the evidence must name each suspect's own
+        tensors, identically on every rank."""
+        gathered = gather_objects(list(self.labels), self._group)
+        return [[str(n) for n in names] if isinstance(names, list) else [] for names in gathered]
 
     def _same_split(self, table: torch.Tensor) -> bool:
         """Collective: do the same ranks still disagree with their class's consensus as at the last vote? Each

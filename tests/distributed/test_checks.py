@@ -242,3 +242,23 @@ def test_healthy_long_run_replay_tolerance_accumulation_and_no_side_effects() ->
                 assert not got["incidents"] and got["counts"].get("replay", {}).get("error", 0) == 0
                 assert got["counts"]["weights"]["pass"] == 12 and got["counts"]["grad_reduced"]["pass"] == 12
                 assert all(torch.equal(expected["weights"][n], got["weights"][n]) for n in expected["weights"]), rank
+
+
+def test_optimizer_state_is_voted_with_the_weights() -> None:
+    """Three replicas: Adam's moments are fingerprinted with the weights. A bit flipped in one rank's moment is
+    named by the vote (the majority's state differs from it) as well as by that rank's at-rest comparison; healthy
+    runs count the votes as passes."""
+    scenarios = [
+        {"config": {"replay_every": 0}, "steps": 4,
+         "fault": {"kind": "flip_state_bit", "rank": 2, "step": 2, "param": "fc1.bias", "key": "exp_avg",
+                   "index": 1, "bit": 28}},
+        {"config": {"replay_every": 0}, "steps": 4},
+    ]
+    moment, healthy = zip(*spawn_ranks(run_scenarios, 3, (scenarios,), timeout=120), strict=True)
+    _assert_collective(list(moment))
+    assert _verdicts(moment[0])[0] == (2, "weights", (2,), False)
+    ev = _first(moment[0])["evidence"]
+    assert ev["differing_parameters"] == {"2": ["fc1.bias [exp_avg]"]}
+    assert ev["vote"]["differing_parameters"]["2"] == ["fc1.bias [exp_avg]"] and ev["vote"]["ambiguous"] is False
+    for r in healthy:
+        assert not r["incidents"] and r["counts"]["weights"] == {"pass": 4}, r["counts"]
