@@ -307,8 +307,9 @@ class SDCMonitor:
         ``last_passing_audit`` (the step of the last replay audit that passed on every rank). While a hardware
         episode is open (a suspect named and not cleared by a later pass), nothing is certified: ``SDCDetected``
         is raised whatever ``on_suspect`` says. When the replicas disagree but a majority agrees, the certificate
-        holds the majority's fingerprints, so that the checkpoint of a corrupted rank does not verify. A sharded
-        model is certified as whole tensors (gathered one at a time) so that it verifies against a full state dict.
+        holds the majority's fingerprints of its current weights (gathered again), so that the checkpoint of a
+        corrupted rank does not verify and the healthy ranks' do. A sharded model is certified as whole tensors
+        (gathered one at a time) so that it verifies against a full state dict.
 
         >>> cert = monitor.certificate()                                             # doctest: +SKIP
         >>> torch.save({"model": model.module.state_dict(), "sdc_certificate": cert.to_dict()}, path)  # doctest: +SKIP
@@ -324,9 +325,9 @@ class SDCMonitor:
             rows = self._whole_fingerprints(named)
         elif self._weights is None:  # no replica: a rank's memory changed at rest, nothing else holds the weights
             raise SDCDetected(incident)
-        else:
-            majority = self._weights.majority
-            if majority is None or self.layout.shard_of is not None:  # no majority of whole tensors to certify
+        else:  # the replicas disagree (agreed, so every rank is here): the majority's weights as they are now
+            majority = self._weights.current_majority() if self.layout.shard_of is None else None
+            if majority is None:  # no majority of whole tensors to certify
                 raise SDCDetected(incident)
             rows = [format_fingerprint(row) for row in majority[:len(named)]]  # parameters first, then state
         # The buffers are named, not fingerprinted, so that a full state_dict() verifies.

@@ -119,6 +119,19 @@ class WeightsCheck:
                            self._group)
         return not changed[0]
 
+    def current_majority(self) -> list[tuple[int, ...]] | None:
+        """Collective (every rank, when the replicas disagree: agreed): the majority's rows of the last measured
+        table, gathered now. The vote's own ``majority`` is that of the step the split began, and the replicas have
+        trained on since. The memoised split is left alone (the episode goes on as it was)."""
+        assert self.table is not None
+        cols = self.table.shape[1]
+        rows = gather_ragged(self.table.reshape(-1), self._group)
+        tables = [[tuple(r[i * cols:(i + 1) * cols]) for i in range(len(r) // cols)] for r in rows]
+        finding = decide(tables, self._ranks, self._names_by_position(), self._classes)
+        ref = finding.evidence.get("majority_rank") if finding is not None else None
+        self.majority = tables[self._ranks.index(ref)] if isinstance(ref, int) else None
+        return self.majority
+
     def gather(self, table: torch.Tensor) -> Finding | None:
         """Rare path (digests differ): gather every rank's ``table`` (of the step being decided) and vote, within
         numerics classes."""

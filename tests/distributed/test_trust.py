@@ -91,6 +91,8 @@ def three_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
         "flip_raise": {"config": {"replay_every": 4, "on_suspect": "raise"}, "steps": 8, "fault": flip},
         "flip_last_step": {"config": {"replay_every": 4}, "steps": 4, "fault": {**flip, "step": 3}},
         "certify": {"config": {"replay_every": 2}, "steps": 5, "loss_always": True, "certify_at_end": True},
+        "certify_episode": {"config": {"replay_every": 0}, "steps": 6, "fault": {**flip, "step": 2},
+                            "certify_at_end": True},
         "nested": {"nested": True},
         "bad_dir": {"config": {"incident_dir": "/proc/no-such-dir/x"}},
     }
@@ -377,3 +379,16 @@ def test_a_certificate_taken_after_the_last_step_verifies_on_every_rank(three_ra
     the last step and verifies against each rank's own state dict."""
     for r in three_ranks["certify"]:
         assert r["certified"] == (4, []) and not r["incidents"] and not r["errors"]
+
+
+def test_a_certificate_during_a_weights_episode_holds_the_majority_s_current_weights(three_ranks: dict[str, Any]
+                                                                                     ) -> None:
+    """Record mode, rank 1's weights diverged at step 2 and trained on apart for 4 more steps: certificate() certifies
+    the majority's weights as they are now (gathered again, not those of the step the split began), so the healthy
+    ranks' own state dicts verify and the diverged rank's does not."""
+    per_rank = three_ranks["certify_episode"]
+    assert [(i["step"], i["check"], i["suspect_ranks"]) for i in per_rank[0]["incidents"]] == [(2, "weights", [1])]
+    for r in (per_rank[0], per_rank[2]):
+        assert r["certified"] == (5, []), r["certified"]
+    step, changed = per_rank[1]["certified"]
+    assert step == 5 and "fc1.weight" in changed
