@@ -96,6 +96,8 @@ def run_one(rank: int, shape: tuple[int, ...], names: tuple[str, ...], sc: dict[
     faults = FaultInjector(model, opt)
     if sc.get("perturb"):
         faults.perturb_output(**sc["perturb"])
+    if sc.get("corrupt_update"):  # a faulty unit in one rank's optimizer kernel, from a step on
+        faults.corrupt_update(**sc["corrupt_update"])
     recorder = Recorder()
     monitor = None
     if sc.get("monitor", True):

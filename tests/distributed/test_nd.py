@@ -31,6 +31,11 @@ SMALL_SCENARIOS = {
     "fsdp_tp": {"config": {"replay_every": 2}, "steps": 4, "shape": (2, 2), "names": ("dp_shard", "tp"),
                 "explicit_mesh": True,
                 "perturb": {"rank": 3, "step": 0, "module": "b1.down", "relative": 1e-3, "transient": True}},
+    # dp_replicate=1: no replica of any shard; the at-rest check and the update audit stand in for the vote
+    "flip": {"config": {"replay_every": 0}, "steps": 4, "shape": (2, 2), "names": ("dp_shard", "tp"),
+             "flip": {"rank": 3, "step": 2, "param": "b1.up.weight", "index": 3, "bit": 12}},
+    "update": {"config": {"replay_every": 0, "update_every": 1}, "steps": 5, "shape": (2, 2),
+               "names": ("dp_shard", "tp"), "corrupt_update": {"rank": 1, "step": 2, "index": 2, "relative": 1e-3}},
 }
 
 
@@ -113,3 +118,13 @@ def test_sequence_parallel_norms_replay_as_fsdp_reduces_them(small: dict[str, An
         # no replica of a shard (dp_shard x tp): the weights are checked at rest, from the first update on
         assert r["counts"] == {"grad_local": {"pass": 4}, "grad_reduced": {"pass": 4}, "replay": {"pass": 2},
                                "weights": {"skipped": 1, "pass": 3}, "update": {"pass": 2}}
+
+
+def test_without_replicas_a_flip_at_rest_and_a_wrong_update_are_named(small: dict[str, Any]) -> None:
+    """dp_shard x tp, no dp_replicate: a bit flipped in rank 3's tp shard after an update is named by its at-rest
+    comparison with its coordinate; rank 1's optimizer computing one element wrong from step 2 on is named by the
+    update audit (a referee sides with its partner), rank 1 alone."""
+    [flip] = _same(small["flip"])
+    assert flip[:4] == (2, "weights", [3], "at_rest") and flip[4] == {"dp_shard": 1, "tp": 1} and not flip[5]
+    update = _same(small["update"])
+    assert update[0][:4] == (2, "update", [1], "persistent") and not update[0][5], update
