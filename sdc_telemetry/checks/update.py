@@ -66,15 +66,19 @@ def _hyper(group: dict[str, Any], params: Sequence[torch.Tensor]) -> dict[str, A
 
 
 def recompute(cls: Callable[..., torch.optim.Optimizer], hyper: dict[str, Any], param: torch.Tensor,
-              grad: torch.Tensor | None, state: dict[str, Any], step_kwargs: dict[str, Any] | None = None
-              ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """One optimizer step of ``cls`` on copies of ``param``, ``grad`` and ``state`` with ``hyper``: the new
-    parameter and state (plain local tensors)."""
-    p = torch.nn.Parameter(param.detach().clone(), requires_grad=True)
-    p.grad = None if grad is None else grad.detach().clone()
+              grad: torch.Tensor | None, state: dict[str, Any], step_kwargs: dict[str, Any] | None = None,
+              owned: bool = False) -> tuple[torch.Tensor, dict[str, Any]]:
+    """One optimizer step of ``cls`` on ``param``, ``grad`` and ``state`` with ``hyper``: the new parameter and
+    state (plain local tensors). ``owned``: the tensors are this call's to update in place (received ones);
+    otherwise copies are updated."""
+    def mine(x: torch.Tensor) -> torch.Tensor:
+        return x.detach() if owned else x.detach().clone()
+
+    p = torch.nn.Parameter(mine(param), requires_grad=True)
+    p.grad = None if grad is None else mine(grad)
     opt = cls([p])
     opt.param_groups[0].update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in hyper.items()})
-    opt.state[p] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    opt.state[p] = {k: mine(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     opt.step(**(step_kwargs or {}))
     return p.detach(), dict(opt.state[p])
 
@@ -114,6 +118,13 @@ class Slice:
     after: list[tuple[int, ...]] | None = None  # fingerprints of the applied update (host, read at the audit)
     after_device: torch.Tensor | None = None
 
+    def meta(self) -> dict[str, Any]:
+        """What travels ahead of the tensors: everything but them, and their layout."""
+        layout, plain = _layout(self.params, self.grads, self.states)
+        return {"step": self.step, "cls": self.cls, "names": self.names, "hyper": self.hyper,
+                "step_kwargs": self.step_kwargs, "labels": self.labels, "after": self.after, "layout": layout,
+                "plain": plain}
+
     def record(self) -> dict[str, Any]:
         """The plain record that travels to the partner (loaded with ``weights_only=True``)."""
         return {"step": self.step, "cls": self.cls, "names": self.names, "params": self.params, "grads": self.grads,
@@ -128,20 +139,64 @@ def _class(path: str) -> type[torch.optim.Optimizer]:
     raise ValueError(f"not a supported optimizer: {path}")
 
 
+def _layout(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+            states: Sequence[dict[str, Any]]) -> tuple[list[list[tuple[str, list[int], str]]], list[dict[str, Any]]]:
+    """Per parameter, the tensors that travel ((key, shape, dtype): ``param``, ``grad``, ``state:<key>``), and the
+    state's plain values."""
+    layout, plain = [], []
+    for p, g, st in zip(params, grads, states, strict=True):
+        items = [("param", p), *((("grad", g),) if g is not None else ()),
+                 *((f"state:{k}", v) for k, v in sorted(st.items(), key=lambda kv: str(kv[0]))
+                   if isinstance(v, torch.Tensor))]
+        layout.append([(key, list(x.shape), str(x.dtype).removeprefix("torch.")) for key, x in items])
+        plain.append({k: v for k, v in st.items() if not isinstance(v, torch.Tensor)})
+    return layout, plain
+
+
+def _tensors(s: Slice, i: int) -> list[torch.Tensor]:
+    """Parameter ``i``'s tensors of a slice, in its layout's order."""
+    st = s.states[i]
+    return [s.params[i], *((s.grads[i],) if s.grads[i] is not None else ()),
+            *(v for _, v in sorted(st.items(), key=lambda kv: str(kv[0])) if isinstance(v, torch.Tensor))]
+
+
+def _check_one(meta: dict[str, Any], i: int, tensors: Sequence[torch.Tensor], device: torch.device, owned: bool
+               ) -> tuple[list[str], list[tuple[int, ...]]]:
+    """Recompute parameter ``i`` of a slice (``meta``: its description) from its tensors: labels and rows."""
+    cls = _class(meta["cls"])
+    param: torch.Tensor | None = None
+    grad: torch.Tensor | None = None
+    state: dict[str, Any] = dict(meta["plain"][i])
+    hyper = meta["hyper"][i]
+    on_device = bool(hyper.get("capturable") or hyper.get("fused"))  # Adam keeps its step count on the CPU else
+    for (key, _, _), x in zip(meta["layout"][i], tensors, strict=True):
+        x = x.to(device) if key != "state:step" or on_device else x
+        if key == "param":
+            param = x
+        elif key == "grad":
+            grad = x
+        else:
+            state[key.removeprefix("state:")] = x
+    assert param is not None
+    kwargs = {k: v.to(device) for k, v in meta["step_kwargs"].items()}
+    new_p, new_s = recompute(cls, hyper, param, grad, state, kwargs, owned=owned)
+    labels, table = _fingerprints([new_p], [new_s], [meta["names"][i]])
+    return labels, [tuple(r) for r in table.cpu().tolist()]
+
+
 def rerun(record: dict[str, Any], device: torch.device) -> tuple[list[str], list[tuple[int, ...]]]:
-    """Recompute a slice's update on ``device``, one parameter at a time: labels and fingerprint rows."""
-    cls = _class(record["cls"])
+    """Recompute a slice's update (its ``Slice.record()``) on ``device``, one parameter at a time, on copies: labels
+    and fingerprint rows."""
+    layout, plain = _layout(record["params"], record["grads"], record["states"])
+    meta = {**record, "layout": layout, "plain": plain}
+    s = Slice(step=record["step"], cls=record["cls"], names=record["names"], params=record["params"],
+              grads=record["grads"], states=record["states"], hyper=record["hyper"])
     labels: list[str] = []
     rows: list[tuple[int, ...]] = []
-    kwargs = {k: v.to(device) for k, v in record["step_kwargs"].items()}
-    for name, p, g, s, hyper in zip(record["names"], record["params"], record["grads"], record["states"],
-                                    record["hyper"], strict=True):
-        state = {k: v.to(device) if isinstance(v, torch.Tensor) and k != "step" else v for k, v in s.items()}
-        new_p, new_s = recompute(cls, hyper, p.to(device), None if g is None else g.to(device), state, kwargs)
-        lab, table = _fingerprints([new_p], [new_s], [name])
+    for i in range(len(record["names"])):
+        lab, r = _check_one(meta, i, _tensors(s, i), device, owned=False)
         labels += lab
-        rows += [tuple(r) for r in table.cpu().tolist()]
-        del new_p, new_s, table
+        rows += r
     return labels, rows
 
 
@@ -271,25 +326,47 @@ class UpdateAudit:
         mine = self.pending
         self.pending = None
         replayer = origin_of.index(pos)
+        send_to, recv_from = ranks[replayer], ranks[origin_of[pos]]
         error = ""
         try:
             assert mine is not None and mine.after_device is not None
             mine.after = [tuple(r) for r in mine.after_device.cpu().tolist()]
-            payload = _pack(mine.record())
+            payload = _pack(mine.meta())
         except Exception as e:  # noqa: BLE001 - the peer must not wait forever: an empty record goes out
             error, payload, mine = f"packing the update slice failed: {type(e).__name__}: {e}", _pack(None), None
-        data = _exchange(payload, ranks[replayer], ranks[origin_of[pos]], group, wire)
+        theirs = _unpack(_exchange(payload, send_to, recv_from, group, wire))
+        del payload
         report: dict[str, Any] = {"error": error, "rows": None, "after": None, "own": None, "labels": None}
-        try:
-            theirs = _unpack(data)
-            if theirs is None:
-                raise ValueError("the origin sent no slice")
-            labels, rows = rerun(theirs, device)
+        # Parameter by parameter: this rank's tensors out, its origin's in, recomputed and dropped before the next.
+        labels: list[str] = []
+        rows: list[tuple[int, ...]] = []
+        failed = "" if theirs is not None else "the origin sent no slice"
+        n_mine, n_theirs = len(mine.names) if mine else 0, len(theirs["names"]) if theirs else 0
+        for i in range(max(n_mine, n_theirs)):
+            ops = [dist.P2POp(dist.isend, x.contiguous().to(wire), send_to, group)
+                   for x in (_tensors(mine, i) if mine is not None and i < n_mine else [])]
+            bufs = [torch.empty(shape, dtype=getattr(torch, dtype), device=wire)
+                    for _, shape, dtype in (theirs["layout"][i] if theirs is not None and i < n_theirs else [])]
+            ops += [dist.P2POp(dist.irecv, b, recv_from, group) for b in bufs]
+            if ops:
+                for req in dist.batch_isend_irecv(ops):
+                    req.wait()
+            if bufs and not failed:
+                assert theirs is not None
+                try:
+                    lab, r = _check_one(theirs, i, bufs, device, owned=True)
+                    labels += lab
+                    rows += r
+                except Exception as e:  # noqa: BLE001 - counted; the exchange goes on to its end
+                    failed = f"{type(e).__name__}: {e}"
+            del bufs, ops
+        if failed:
+            report["error"] = error or f"recomputing the origin's update failed: {failed}"
+        elif theirs is not None:
             if labels != theirs["labels"]:
-                raise ValueError("the recomputed state does not hold the origin's tensors")
-            report.update(rows=rows, after=[tuple(r) for r in theirs["after"]], labels=labels)
-        except Exception as e:  # noqa: BLE001
-            report["error"] = error or f"recomputing the origin's update failed: {type(e).__name__}: {e}"
+                report["error"] = error or "recomputing the origin's update failed: other tensors than the origin's"
+            else:
+                report.update(rows=rows, after=[tuple(r) for r in theirs["after"]], labels=labels)
         if mine is not None:
             try:
                 report["own"] = rerun(mine.record(), device)[1]
@@ -303,14 +380,9 @@ class UpdateAudit:
         verdicts: dict[int, list[tuple[int, ...]] | None] = {}
         for origin, referee in referees:  # the same list on every rank; each takes part in its own pairs only
             if pos == origin:
-                _send_sized(payload, ranks[referee], group, wire)
+                _send_slice(mine, ranks[referee], group, wire)
             elif pos == referee:
-                got = _recv_sized(ranks[origin], group, wire)
-                try:
-                    record = _unpack(got)
-                    verdicts[origin] = rerun(record, device)[1] if record is not None else None
-                except Exception:  # noqa: BLE001
-                    verdicts[origin] = None
+                verdicts[origin] = _recv_slice(ranks[origin], group, wire, device)
         referee_rows = gather(verdicts) if referees else []
         by_origin: dict[int, list[tuple[int, ...]] | None] = {}
         for v in referee_rows:
@@ -328,13 +400,42 @@ def _send_sized(payload: torch.Tensor, dst: int, group: Any, wire: torch.device)
 
 
 def _recv_sized(src: int, group: Any, wire: torch.device) -> torch.Tensor:
-    """What ``_sized`` sent: the length, then the payload."""
+    """What ``_send_sized`` sent: the length, then the payload."""
     head = torch.zeros(8, dtype=torch.uint8, device=wire)
     dist.recv(head, src, group=group)
     size = int(head.cpu().view(torch.int64).item())
     body = torch.empty(size, dtype=torch.uint8, device=wire)
     dist.recv(body, src, group=group)
     return body
+
+
+def _send_slice(s: Slice | None, dst: int, group: Any, wire: torch.device) -> None:
+    """A slice to a referee: its description, then its tensors parameter by parameter (blocking sends)."""
+    _send_sized(_pack(s.meta() if s is not None else None), dst, group, wire)
+    for i in range(len(s.names) if s is not None else 0):
+        assert s is not None
+        for x in _tensors(s, i):
+            dist.send(x.contiguous().to(wire), dst, group=group)
+
+
+def _recv_slice(src: int, group: Any, wire: torch.device, device: torch.device) -> list[tuple[int, ...]] | None:
+    """A referee's side of ``_send_slice``: the slice recomputed parameter by parameter (its rows), or None."""
+    meta = _unpack(_recv_sized(src, group, wire))
+    if meta is None:
+        return None
+    rows: list[tuple[int, ...]] = []
+    failed = False
+    for i in range(len(meta["names"])):
+        bufs = [torch.empty(shape, dtype=getattr(torch, dtype), device=wire) for _, shape, dtype in meta["layout"][i]]
+        for b in bufs:
+            dist.recv(b, src, group=group)
+        if not failed:
+            try:
+                rows += _check_one(meta, i, bufs, device, owned=True)[1]
+            except Exception:  # noqa: BLE001 - no verdict from this referee; the exchange goes on to its end
+                failed = True
+        del bufs
+    return None if failed else rows
 
 
 def plan_referees(reports: Sequence[Any], origin_of: Sequence[int]) -> list[tuple[int, int]]:
