@@ -227,3 +227,52 @@ def run_memory(rank: int, world: int) -> dict[str, Any]:
     dist.barrier()
     return out
 
+
+
+def run_update_memory(rank: int, world: int) -> dict[str, Any]:
+    """FSDP2 on a 1-D mesh of every rank, AdamW, an update audit at every step: the peak growth of each audit (the
+    exchange, the partner's recomputation, the own rerun, from the start of the audit) against one parameter
+    group's unsharded size."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from sdc_telemetry.checks import update
+
+    torch.manual_seed(0)
+    model = Blocks()
+    groups = [list(b.parameters()) for b in model.blocks] + [list(model.head.parameters())]
+    group_bytes = _grad_bytes(groups)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    recorder = Recorder()
+    monitor = sdc.SDCMonitor(model, opt, loss_fn=loss_fn, observer=recorder,
+                             config=sdc.SDCConfig(metrics_port=None, nvml=False, replay_every=0, update_every=1))
+    gen = torch.Generator().manual_seed(100 + rank)
+    growth: list[int] = []
+    original = update.UpdateAudit.audit
+    with LiveBytes() as tracker:
+        def audit(self: update.UpdateAudit, *args: Any, **kwargs: Any) -> Any:
+            gc.collect()
+            base = tracker.mark()
+            out = original(self, *args, **kwargs)
+            growth.append(tracker.peak - base)
+            return out
+
+        update.UpdateAudit.audit = audit  # type: ignore[method-assign]
+        try:
+            for _ in range(4):
+                batch = (torch.randn(2, WIDTH, generator=gen), torch.randint(0, 4, (2,), generator=gen))
+                with monitor.step(batch) as st:
+                    st.backward(loss_fn(model, batch))
+                opt.step()
+                opt.zero_grad()
+        finally:
+            update.UpdateAudit.audit = original  # type: ignore[method-assign]
+    # what the whole local shard's audit inputs would weigh (parameters, gradients, two Adam moments)
+    local = sum(4 * p.to_local().numel() * p.element_size() for p in model.parameters())  # type: ignore[operator]
+    monitor.close()
+    return {"growth": growth, "groups": group_bytes, "local_inputs": local, "update": recorder.counts().get("update"),
+            "errors": recorder.errors, "incidents": [(i.step, i.check) for i in monitor.incidents]}

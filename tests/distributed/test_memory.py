@@ -14,7 +14,7 @@ import pytest
 
 from sdc_telemetry.testing import spawn_ranks
 
-from ._memory import run_memory
+from ._memory import run_memory, run_update_memory
 
 # The rows, and the fingerprint's working memory for one tensor (its partial sums: 4093 words per block row): small
 # next to a parameter's gradient (about 9 % of one 1 MiB gradient here, under 2 % of a 64 MiB one).
@@ -73,3 +73,14 @@ def test_ddp_audit_adds_at_most_one_parameter_gradient(measured: list[dict[str, 
     extra = _extra(measured, "ddp")
     assert len(extra) == 4
     assert max(extra) <= max(measured[0]["ddp"]["params"]) + SLACK, extra
+
+
+def test_update_audit_holds_at_most_one_group() -> None:
+    """4 ranks, FSDP2 on a 1-D mesh, AdamW, an update audit every step: each audit (the exchange, the partner's
+    recomputation and the rank's own rerun) grows by at most one parameter group's unsharded size, while the whole
+    local shard's audit inputs (parameters, gradients, two Adam moments) weigh several groups; every audit passes."""
+    results = spawn_ranks(run_update_memory, 4, (), timeout=300)
+    for r in results:
+        assert r["update"] == {"pass": 3} and not r["errors"] and not r["incidents"], r
+        assert r["local_inputs"] >= 4 * max(r["groups"])
+        assert len(r["growth"]) == 3 and max(r["growth"]) <= max(r["groups"]) + SLACK, (r["growth"], r["groups"])
