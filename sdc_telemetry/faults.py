@@ -266,11 +266,13 @@ class FaultInjector:
 
         return fut.then(corrupt)
 
-    def corrupt_update(self, *, rank: int, step: int, index: int = 0, relative: float = 1e-3) -> None:
+    def corrupt_update(self, *, rank: int, step: int, index: int = 0, relative: float = 1e-3,
+                       transient: bool = False) -> None:
         """A faulty unit in this rank's optimizer kernel, from step ``step`` on: every update an optimizer of this
         class computes on ``rank`` (the training's, and any recomputation there) scales element ``index`` of each
         updated parameter (this rank's shard) by ``1 + relative``, inside the step: before the optimizer's
-        post-hooks, so that what the update applied is wrong (not memory changed after it)."""
+        post-hooks, so that what the update applied is wrong (not memory changed after it). ``transient``: only the
+        training's own update of step ``step`` (a recomputation computes right)."""
         if self.rank != rank:
             return
         from torch.optim import Optimizer
@@ -283,7 +285,7 @@ class FaultInjector:
 
         def faulty(opt: Any, *args: Any, **kwargs: Any) -> Any:
             out = raw(opt, *args, **kwargs)
-            if injector.step >= step:
+            if (injector.step == step and opt is injector.optimizer) if transient else injector.step >= step:
                 with torch.no_grad():
                     for group in opt.param_groups:
                         for p in group["params"]:

@@ -550,18 +550,19 @@ class SDCMonitor:
         agreed = time.perf_counter() - t0  # the agreement (and any wait for it) is shared by the checks
         for check in ("grad_local", "grad_reduced"):
             durations[check] = durations.get(check, 0.0) + agreed
+        update: Finding | None = None  # the update audit runs first: it referees a split of two replicas
+        if m.update_audit:
+            t = time.perf_counter()
+            update, results["update"] = self._update_verdict(m, low)
+            durations["update"] = time.perf_counter() - t
+            if update is not None:
+                findings.append(update)
         if m.weights_due:
             t = time.perf_counter()
-            finding, results["weights"] = self._weights_verdict(m, high, low)
+            finding, results["weights"] = self._weights_verdict(m, high, low, update)
             durations["weights"] = durations.get("weights", 0.0) + agreed + time.perf_counter() - t
             if results["weights"] in ("pass", "fail"):
                 weights_agree = not (finding and self.rank in finding.suspect_ranks)
-            if finding is not None:
-                findings.append(finding)
-        if m.update_audit:
-            t = time.perf_counter()
-            finding, results["update"] = self._update_verdict(m, low)
-            durations["update"] = time.perf_counter() - t
             if finding is not None:
                 findings.append(finding)
         replay: ReplayDeltas | None = None
@@ -596,8 +597,10 @@ class SDCMonitor:
             passed.add("replay")  # the replay's error list is gathered: the same on every rank
         return frozenset(passed)
 
-    def _weights_verdict(self, m: Measured, high: list[int], low: list[int]) -> tuple[Finding | None, str]:
-        """The vote among replicas (where there are any) and the at-rest comparison, from the agreement."""
+    def _weights_verdict(self, m: Measured, high: list[int], low: list[int], update: Finding | None = None
+                         ) -> tuple[Finding | None, str]:
+        """The vote among replicas (where there are any) and the at-rest comparison, from the agreement; an
+        unambiguous update audit of the same step referees a vote that cannot name a rank."""
         error = bool(high[S.WEIGHTS_ERROR])
         if self._weights is not None:
             finding, result = self._weights.verdict(m.step, error, bool(m.mine[S.WEIGHTS_ERROR]),
@@ -613,6 +616,11 @@ class SDCMonitor:
                 finding, result = at_rest.merge(changed, finding), "fail"
                 if self._weights is not None:
                     self._weights.refereed(finding)
+        if finding is not None and finding.evidence.get("ambiguous") and update is not None \
+                and not update.evidence.get("ambiguous") and set(update.suspect_ranks) < set(finding.suspect_ranks):
+            finding = at_rest.refereed_by_update(finding, update)
+            if self._weights is not None:
+                self._weights.refereed(finding)
         return finding, result
 
     def _update_verdict(self, m: Measured, low: list[int]) -> tuple[Finding | None, str]:

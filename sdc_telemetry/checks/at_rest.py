@@ -26,7 +26,7 @@ from sdc_telemetry.core.evidence import MAX_ITEMS, top
 from sdc_telemetry.core.findings import Finding
 from sdc_telemetry.core.fingerprint import fingerprint, format_fingerprint
 
-__all__ = ["AtRestCheck", "Compared", "decide", "merge"]
+__all__ = ["AtRestCheck", "Compared", "decide", "merge", "refereed_by_update"]
 
 
 @dataclass(frozen=True)
@@ -169,3 +169,13 @@ def merge(at_rest: Finding, vote: Finding | None) -> Finding:
                                                       "majority_rank") if k in vote.evidence}
     evidence["vote"]["suspect_ranks"] = list(vote.suspect_ranks[:MAX_ITEMS])
     return Finding("weights", tuple(sorted(suspects)), evidence)
+
+
+def refereed_by_update(vote: Finding, update: Finding) -> Finding:
+    """A vote that cannot name a rank (two replicas), settled by the update audit of the same step: the replicas'
+    weights split because one rank applied a wrong update, which the audit named unambiguously."""
+    evidence = {k: v for k, v in vote.evidence.items() if k not in ("ambiguous", "suspect_count")}
+    evidence.update({"verdict": "update", "ambiguous": False, "suspect_count": len(update.suspect_ranks),
+                     "vote": {"ambiguous": True, "suspect_ranks": list(vote.suspect_ranks[:MAX_ITEMS])},
+                     "update_step": update.evidence.get("update_step")})
+    return Finding("weights", tuple(update.suspect_ranks), evidence)

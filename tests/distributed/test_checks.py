@@ -106,8 +106,11 @@ def test_two_replicas_separate_transient_from_persistent_compute_faults(verdicts
                    "index": 3, "bit": 27}},
         {"config": {"replay_every": 0, "update_every": 1}, "steps": 4,
          "fault": {"kind": "corrupt_update", "rank": 1, "step": 2, "index": 3, "relative": 1e-3}},
+        {"config": {"replay_every": 0, "update_every": 1}, "steps": 5,
+         "fault": {"kind": "corrupt_update", "rank": 0, "step": 2, "index": 3, "relative": 1e-3,
+                   "transient": True}},
     ], verdicts)
-    transient, persistent, bad_batch, weight, moment, update = zip(
+    transient, persistent, bad_batch, weight, moment, update, once = zip(
         *spawn_ranks(run_scenarios, 2, (scenarios,), timeout=120), strict=True)
     _assert_collective(list(transient))
     _assert_collective(list(persistent))
@@ -133,6 +136,12 @@ def test_two_replicas_separate_transient_from_persistent_compute_faults(verdicts
     _assert_collective(list(update))
     assert _verdicts(update[0])[0] == (2, "update", (0, 1), True)
     assert all(r["counts"]["update"]["pass"] == 1 for r in update), [r["counts"] for r in update]
+    # one wrong update on rank 0 (its rerun computes right: transient): the audit names rank 0 at step 3, and the
+    # vote of that step, split between the two replicas, is refereed by it: rank 0 alone, one episode each
+    _assert_collective(list(once))
+    assert sorted(_verdicts(once[0])) == [(3, "update", (0,), False), (3, "weights", (0,), False)]
+    by_check = {i["check"]: i["evidence"]["verdict"] for i in once[0]["incidents"]}
+    assert by_check == {"update": "transient", "weights": "update"}
 
 
 def test_common_training_loop_shapes_raise_no_false_alarm() -> None:
