@@ -334,8 +334,13 @@ class UpdateAudit:
             payload = _pack(mine.meta())
         except Exception as e:  # noqa: BLE001 - the peer must not wait forever: an empty record goes out
             error, payload, mine = f"packing the update slice failed: {type(e).__name__}: {e}", _pack(None), None
-        theirs = _unpack(_exchange(payload, send_to, recv_from, group, wire))
+        received = _exchange(payload, send_to, recv_from, group, wire)
         del payload
+        try:
+            theirs = _unpack(received)
+        except Exception:  # noqa: BLE001 - both ends run this code: not expected; counted as an error below
+            theirs = None
+        del received
         report: dict[str, Any] = {"error": error, "rows": None, "after": None, "own": None, "labels": None}
         # Parameter by parameter: this rank's tensors out, its origin's in, recomputed and dropped before the next.
         labels: list[str] = []
