@@ -77,7 +77,7 @@ class AtRestCheck:
         state = []
         for r in rows:
             for key, value in sorted(self._optimizer.state.get(self._params[r], {}).items(), key=lambda kv: str(kv[0])):
-                if isinstance(value, torch.Tensor) and value.numel() > 0:
+                if isinstance(value, torch.Tensor) and value.numel() > 1:  # not the scalar step counts
                     state.append((f"{self._names[r]} [{key}]", self._local(value)))
         return rows, state
 

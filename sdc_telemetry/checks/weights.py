@@ -60,7 +60,7 @@ class WeightsCheck:
                     continue
                 for key in sorted(state, key=str):
                     value = state[key]
-                    if isinstance(value, torch.Tensor) and value.numel() > 0:
+                    if isinstance(value, torch.Tensor) and value.numel() > 1:  # not the scalar step counts
                         tensors.append(local(value))
                         labels.append(f"{name} [{key}]")
         self.labels = labels
