@@ -97,11 +97,11 @@ class AtRestCheck:
         """The weights changed on purpose (or the update was not seen): no comparison until the next update."""
         self._reference = None
 
-    def measure(self, table: torch.Tensor | None, labels: Sequence[str] | None = None
+    def measure(self, table: torch.Tensor | None, table_labels: Sequence[str] | None = None
                 ) -> tuple[torch.Tensor, Compared | None]:
         """The 0-d status (0: nothing compared, 1: unchanged, 2: something changed at rest on this rank; no host
         synchronisation) and the comparison.
-        ``table``: the weight check's fingerprint table, when it made one, and ``labels`` its rows (the parameters
+        ``table``: the weight check's fingerprint table, when it made one, and ``table_labels`` its rows (the parameters
         first, then the optimizer state it votes on): the rows it holds are reused, not read again."""
         if self._reference is None:
             return torch.zeros((), dtype=torch.int64, device=self._device), None
@@ -116,7 +116,8 @@ class AtRestCheck:
         parts_ref, parts_now = [ref_params], [now_params]
         if ref_states is not None:
             parts_ref.append(ref_states)
-            where = {label: i for i, label in enumerate(labels)} if table is not None and labels is not None else {}
+            where = {label: i for i, label in enumerate(table_labels)} \
+                if table is not None and table_labels is not None else {}
             rows_now = [where.get(label) for label, _ in state]
             if table is not None and rows_now and all(r is not None for r in rows_now):
                 parts_now.append(table.index_select(0, torch.tensor(rows_now, dtype=torch.long, device=table.device)))

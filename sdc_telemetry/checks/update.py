@@ -53,9 +53,8 @@ def _hyper(group: dict[str, Any], params: Sequence[torch.Tensor]) -> dict[str, A
     from the single-tensor loop, and a DTensor parameter takes the single-tensor loop)."""
     out: dict[str, Any] = {}
     for k, v in group.items():
-        if k == "params":
-            continue
-        out[k] = v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+        if k != "params":
+            out[k] = _plain(v)
     if out.get("foreach") is None and not out.get("fused"):
         from torch.optim.optimizer import _default_to_fused_or_foreach
 
@@ -63,6 +62,27 @@ def _hyper(group: dict[str, Any], params: Sequence[torch.Tensor]) -> dict[str, A
                                                   use_fused=False)
         out["foreach"] = bool(foreach)
     return out
+
+
+def _plain(v: Any) -> Any:
+    """A hyper-parameter as it can travel (``torch.load(weights_only=True)``): tensors copied to the host, numpy and
+    other numeric scalars as Python numbers, tuples and lists walked; anything else as its text (the recomputation
+    then reads what the class's default would be, and a difference shows as a mismatch, never a hang)."""
+    if isinstance(v, torch.Tensor):
+        return v.detach().cpu().clone()
+    if v is None or type(v) in (bool, int, float, str):  # exact types: numpy's float64 is a float subclass
+        return v
+    if isinstance(v, (tuple, list)):
+        return type(v)(_plain(x) for x in v)
+    item = getattr(v, "item", None)
+    if callable(item):
+        try:
+            value = item()
+            if type(value) in (bool, int, float):
+                return value
+        except (TypeError, ValueError):
+            pass
+    return str(v)
 
 
 def recompute(cls: Callable[..., torch.optim.Optimizer], hyper: dict[str, Any], param: torch.Tensor,
@@ -79,13 +99,17 @@ def recompute(cls: Callable[..., torch.optim.Optimizer], hyper: dict[str, Any], 
     opt = cls([p])
     opt.param_groups[0].update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in hyper.items()})
     opt.state[p] = {k: mine(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-    opt.step(**(step_kwargs or {}))
+    for name, value in (step_kwargs or {}).items():  # a GradScaler hands a fused step these as attributes
+        setattr(opt, name, value)
+    opt.step()
     return p.detach(), dict(opt.state[p])
 
 
 def _state_labels(name: str, state: dict[str, Any]) -> list[tuple[str, str]]:
+    """The state tensors compared (not the scalar step counts, which Adam keeps on the CPU: they travel, and the
+    recomputed moments show a wrong one)."""
     return [(f"{name} [{k}]", k) for k in sorted(state, key=str)
-            if isinstance(state[k], torch.Tensor) and state[k].numel() > 0]
+            if isinstance(state[k], torch.Tensor) and state[k].numel() > 1]
 
 
 def _fingerprints(params: Sequence[torch.Tensor], states: Sequence[dict[str, Any]], names: Sequence[str]
@@ -298,8 +322,9 @@ class UpdateAudit:
             states.append({k: copy(v) if isinstance(v, torch.Tensor) else v
                            for k, v in self._optimizer.state.get(p, {}).items()})
             hyper.append(_hyper(group_of[id(p)], [p]))
-        step_kwargs = {k: v.detach().to(host, copy=True) for k, v in kwargs.items()
-                       if k in ("grad_scale", "found_inf") and isinstance(v, torch.Tensor)}
+        # A GradScaler unscales inside a fused step: it sets these on the optimizer around the call.
+        step_kwargs = {k: v.detach().to(host, copy=True) for k in ("grad_scale", "found_inf")
+                       if isinstance(v := getattr(self._optimizer, k, None), torch.Tensor)}
         cls = type(self._optimizer)
         self.pending = Slice(step=step, cls=f"{cls.__module__}.{cls.__qualname__}",
                              names=[self._names[i] for i in chosen], params=params, grads=grads, states=states,
@@ -332,6 +357,7 @@ class UpdateAudit:
             assert mine is not None and mine.after_device is not None
             mine.after = [tuple(r) for r in mine.after_device.cpu().tolist()]
             payload = _pack(mine.meta())
+            _unpack(payload)  # what the partner will load: a description it could not read would leave it waiting
         except Exception as e:  # noqa: BLE001 - the peer must not wait forever: an empty record goes out
             error, payload, mine = f"packing the update slice failed: {type(e).__name__}: {e}", _pack(None), None
         received = _exchange(payload, send_to, recv_from, group, wire)

@@ -139,3 +139,34 @@ def test_verify_weights_and_certificate_see_a_change_at_rest() -> None:
     with pytest.raises(sdc.SDCDetected):  # nothing else holds the weights: nothing to certify
         monitor.certificate()
     monitor.close()
+
+
+def test_the_vote_s_rows_are_reused_only_where_they_are_the_same_tensors() -> None:
+    """At the check the at-rest comparison reads the vote's table rows by label: with a parameter left out of the
+    optimizer (LoRA-style) or an optimizer whose state the vote does not hold (RMSprop), unchanged weights compare
+    equal (no false alarm, no error)."""
+    from sdc_telemetry.checks.at_rest import AtRestCheck
+    from sdc_telemetry.checks.weights import WeightsCheck
+
+    for frozen, cls in ((True, torch.optim.AdamW), (False, torch.optim.RMSprop)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+        named = list(model.named_parameters())
+        trained = [p for n, p in named if not (frozen and n == "0.weight")]
+        opt = cls(trained, lr=1e-2)
+        voted = opt if cls is torch.optim.AdamW else None  # as the monitor does: SGD, Adam, AdamW only
+        vote = WeightsCheck(named, None, [0], optimizer=voted)
+        check = AtRestCheck([n for n, _ in named], [p for _, p in named], opt, lambda t: t)
+        for step in range(3):
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            check.after_update(step)
+            vote.measure()
+            flag, compared = check.measure(vote.table, vote.labels)
+            assert int(flag) == 1 and compared is not None, (cls.__name__, step)  # compared, unchanged
+        flip_bit(opt.state[trained[-1]]["exp_avg" if frozen else "square_avg"], index=0, bit=20)
+        vote.measure()
+        flag, compared = check.measure(vote.table, vote.labels)
+        assert int(flag) == 2 and compared is not None and compared.changed()[0][0] == "1.bias " + (
+            "[exp_avg]" if frozen else "[square_avg]")

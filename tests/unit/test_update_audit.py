@@ -101,3 +101,55 @@ def test_slices_rotate_and_a_local_rerun_reproduces_each() -> None:
             seen.append(s.names)
             opt.zero_grad()
         assert seen == [["0.weight"], ["0.bias"], ["1.weight"], ["1.bias"], ["0.weight"]]
+
+
+def _local_audit(model: nn.Module, opt: torch.optim.Optimizer) -> U.UpdateAudit:
+    named = list(model.named_parameters())
+    audit = U.UpdateAudit([n for n, _ in named], [p for _, p in named], opt, lambda t: t, 1, slice_bytes=1 << 20)
+    opt.register_step_pre_hook(lambda o, a, k: audit.before_update(audit.step_now, k))  # type: ignore[attr-defined]
+    opt.register_step_post_hook(lambda o, a, k: audit.after_update(audit.step_now))  # type: ignore[attr-defined]
+    return audit
+
+
+def _reruns_match(audit: U.UpdateAudit, step: int) -> bool:
+    s = audit.pending
+    assert s is not None and s.step == step and s.after_device is not None
+    s.after = [tuple(r) for r in s.after_device.tolist()]
+    U._unpack(U._pack(s.meta()))  # the description travels (weights_only loading)
+    labels, rows = U.rerun(s.record(), torch.device("cpu"))
+    return labels == s.labels and rows == s.after
+
+
+def test_a_fused_step_under_a_grad_scaler_is_recomputed_with_its_scale() -> None:
+    """A GradScaler unscales inside a fused AdamW step (grad_scale and found_inf set on the optimizer around the
+    call): the copy takes them, and the recomputation from the still-scaled gradients matches what was applied."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    audit = _local_audit(model, opt)
+    for step in range(3):
+        audit.step_now = step  # type: ignore[attr-defined]
+        scaler.scale(model(torch.randn(4, 8)).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        assert audit.pending is not None and set(audit.pending.step_kwargs) == {"grad_scale", "found_inf"}
+        assert _reruns_match(audit, step), step
+        opt.zero_grad()
+
+
+def test_hyper_parameters_travel_as_plain_values() -> None:
+    """A learning rate set by hand as a numpy scalar (a schedule's output) travels as a Python number."""
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    audit = _local_audit(model, opt)
+    for step in range(2):
+        audit.step_now = step  # type: ignore[attr-defined]
+        for group in opt.param_groups:
+            group["lr"] = np.float64(1e-3 * (step + 1))
+        model(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        assert _reruns_match(audit, step), step
+        opt.zero_grad()
