@@ -611,7 +611,7 @@ class SDCMonitor:
         else:  # no replica: the at-rest comparison is the check; nothing to compare before the first update
             finding, result = None, "pass" if low[S.AT_REST] >= 1 else "skipped"
         if not error and high[S.AT_REST] >= 2 and self._at_rest is not None:
-            changed = at_rest.decide(m.step, m.at_rest, self.layout.gather_objects, self._ranks)
+            changed = at_rest.decide(m.at_rest, self.layout.gather_objects, self._ranks)
             if changed is not None:
                 finding, result = at_rest.merge(changed, finding), "fail"
                 if self._weights is not None:
@@ -751,11 +751,11 @@ class SDCMonitor:
                 self._at_rest.forget()
                 self._internal_error("weights", "fingerprinting the parameters after the update failed")
 
-    def _before_update(self, _optimizer: Any, _args: Any, kwargs: dict[str, Any]) -> None:
+    def _before_update(self, *_: Any) -> None:
         """Optimizer pre-step hook: the update audit's copy of its slice (local; never a collective)."""
         assert self._update is not None
         try:
-            self._update.before_update(self._step, kwargs)
+            self._update.before_update(self._step)
         except Exception:  # noqa: BLE001 - telemetry never breaks training; counted, that audit skips
             self._update.pending = None
             self._internal_error("update", "copying the audited slice before the update failed")

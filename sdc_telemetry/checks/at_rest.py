@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sdc_telemetry.checks.weights import state_rows
 from sdc_telemetry.core.evidence import MAX_ITEMS, top
 from sdc_telemetry.core.findings import Finding
 from sdc_telemetry.core.fingerprint import fingerprint, format_fingerprint
@@ -64,11 +65,6 @@ class AtRestCheck:
         self._reference: tuple[tuple[str, ...], torch.Tensor, torch.Tensor | None, int] | None = None
         self._rows: torch.Tensor | None = None  # the tracked parameters' rows in the weight check's table
 
-    @property
-    def armed(self) -> bool:
-        """A reference is held: the next weight check compares."""
-        return self._reference is not None
-
     def _tracked(self) -> tuple[list[int], list[tuple[str, torch.Tensor]]]:
         """The table rows of the parameters the optimizer updates, and their optimizer state tensors (labelled
         ``name [key]``), in a fixed order."""
@@ -76,9 +72,8 @@ class AtRestCheck:
                        if id(p) in self._row})
         state = []
         for r in rows:
-            for key, value in sorted(self._optimizer.state.get(self._params[r], {}).items(), key=lambda kv: str(kv[0])):
-                if isinstance(value, torch.Tensor) and value.numel() > 1:  # not the scalar step counts
-                    state.append((f"{self._names[r]} [{key}]", self._local(value)))
+            values = self._optimizer.state.get(self._params[r], {})
+            state += [(label, self._local(values[key])) for label, key in state_rows(self._names[r], values)]
         return rows, state
 
     def after_update(self, step: int) -> None:
@@ -128,8 +123,7 @@ class AtRestCheck:
         return flag, Compared(labels, reference, now, since)
 
 
-def decide(step: int, mine: Compared | None, gather: Callable[[object], list[object]],
-           ranks: Sequence[int]) -> Finding | None:
+def decide(mine: Compared | None, gather: Callable[[object], list[object]], ranks: Sequence[int]) -> Finding | None:
     """Collective (every rank, when any rank's flag is up): what changed at rest, on which ranks."""
     changed = mine.changed() if mine is not None else []
     report = None

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MicroBatch", "check_shippable", "pack", "unpack"]
+__all__ = ["MicroBatch", "check_shippable", "exchange_bytes", "from_bytes", "pack", "to_bytes", "unpack"]
 
 _PLAIN = (int, float, bool, str, bytes, complex, type(None))
 
@@ -164,9 +164,20 @@ def pack(record: dict[str, Any]) -> torch.Tensor:
         "micro": micro,
         "extra": record.get("extra"),  # plain values (numbers, lists, CPU tensors) a protocol adds: a late audit's
     }
+    return to_bytes(plain)
+
+
+def to_bytes(plain: Any) -> torch.Tensor:
+    """A plain nest (tensors, lists, tuples, dicts, numbers, strings) as a uint8 tensor, for ``from_bytes``."""
     buf = io.BytesIO()
     torch.save(plain, buf)
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def from_bytes(data: torch.Tensor) -> Any:
+    """What ``to_bytes`` made, loaded with ``weights_only=True`` (a peer's bytes never unpickle arbitrary objects);
+    tensors land on the CPU."""
+    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), map_location="cpu", weights_only=True)
 
 
 def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -176,8 +187,7 @@ def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
 def unpack(data: torch.Tensor, device: torch.device) -> dict[str, Any]:
     """Load a packed record: tensors that lived on an accelerator land on ``device``, CPU tensors (the batch as the
     origin held it, RNG states, which ``set_rng_state`` wants on the CPU) stay on the CPU."""
-    raw = data.cpu().numpy().tobytes()
-    plain = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    plain = from_bytes(data)
     plain["micro"] = _on_device(plain["micro"], device)
     micro = [MicroBatch(batch=_from_plain(m["batch"]), cpu_rng=m["cpu_rng"], dev_rng=m["dev_rng"],
                          had_grad=m["had_grad"], grad_scale=m["grad_scale"],
@@ -193,6 +203,25 @@ def exchange(mine: dict[str, Any], send_to: int, recv_from: int, group: Any, wir
     """Send ``mine`` to global rank ``send_to`` and receive ``recv_from``'s record, point-to-point (size, then
     payload). Returns (their record or None, an error text or ""); a record that cannot be packed goes out empty so
     that the peer never waits forever."""
+    error = ""
+    try:
+        payload = pack(mine)
+    except Exception as e:  # noqa: BLE001
+        error = f"packing the replay record failed: {type(e).__name__}: {e}"
+        payload = torch.zeros(0, dtype=torch.uint8)
+    data_in = exchange_bytes(payload, send_to, recv_from, group, wire)
+    if data_in.numel() == 0:
+        return None, error
+    try:
+        return unpack(data_in, device), error
+    except Exception as e:  # noqa: BLE001
+        return None, f"unpacking the replay record failed: {type(e).__name__}: {e}"
+
+
+def exchange_bytes(payload: torch.Tensor, send_to: int, recv_from: int, group: Any, wire: torch.device
+                   ) -> torch.Tensor:
+    """Send ``payload`` (uint8) to global rank ``send_to`` and receive ``recv_from``'s, point-to-point: the sizes,
+    then the payloads, each pair in one ``batch_isend_irecv``."""
     import torch.distributed as dist
 
     def p2p(out: torch.Tensor, into: torch.Tensor) -> None:
@@ -200,20 +229,9 @@ def exchange(mine: dict[str, Any], send_to: int, recv_from: int, group: Any, wir
         for req in dist.batch_isend_irecv(ops):
             req.wait()
 
-    error = ""
-    try:
-        payload = pack(mine)
-    except Exception as e:  # noqa: BLE001
-        error = f"packing the replay record failed: {type(e).__name__}: {e}"
-        payload = torch.zeros(0, dtype=torch.uint8)
     size_out = torch.tensor([payload.numel()], dtype=torch.int64, device=wire)
     size_in = torch.zeros(1, dtype=torch.int64, device=wire)
     p2p(size_out, size_in)
     data_in = torch.empty(int(size_in.item()), dtype=torch.uint8, device=wire)
     p2p(payload.to(wire), data_in)
-    if data_in.numel() == 0:
-        return None, error
-    try:
-        return unpack(data_in, device), error
-    except Exception as e:  # noqa: BLE001
-        return None, f"unpacking the replay record failed: {type(e).__name__}: {e}"
+    return data_in

@@ -21,7 +21,6 @@ Elementwise optimizers only: ``SUPPORTED`` (SGD, Adam, AdamW, in their single-te
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sdc_telemetry.checks.shipping import exchange_bytes, from_bytes, to_bytes
+from sdc_telemetry.checks.weights import state_rows
 from sdc_telemetry.core.evidence import MAX_ITEMS
 from sdc_telemetry.core.findings import Finding
 from sdc_telemetry.core.fingerprint import fingerprint, format_fingerprint
@@ -86,11 +87,12 @@ def _plain(v: Any) -> Any:
 
 
 def recompute(cls: Callable[..., torch.optim.Optimizer], hyper: dict[str, Any], param: torch.Tensor,
-              grad: torch.Tensor | None, state: dict[str, Any], step_kwargs: dict[str, Any] | None = None,
+              grad: torch.Tensor | None, state: dict[str, Any], scaling: dict[str, Any] | None = None,
               owned: bool = False) -> tuple[torch.Tensor, dict[str, Any]]:
     """One optimizer step of ``cls`` on ``param``, ``grad`` and ``state`` with ``hyper``: the new parameter and
-    state (plain local tensors). ``owned``: the tensors are this call's to update in place (received ones);
-    otherwise copies are updated."""
+    state (plain local tensors). ``scaling``: the ``grad_scale``/``found_inf`` a GradScaler set on the optimizer for
+    a fused step. ``owned``: the tensors are this call's to update in place (received ones); otherwise copies are
+    updated."""
     def mine(x: torch.Tensor) -> torch.Tensor:
         return x.detach() if owned else x.detach().clone()
 
@@ -99,28 +101,22 @@ def recompute(cls: Callable[..., torch.optim.Optimizer], hyper: dict[str, Any], 
     opt = cls([p])
     opt.param_groups[0].update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in hyper.items()})
     opt.state[p] = {k: mine(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-    for name, value in (step_kwargs or {}).items():  # a GradScaler hands a fused step these as attributes
+    for name, value in (scaling or {}).items():  # a GradScaler hands a fused step these as attributes
         setattr(opt, name, value)
     opt.step()
     return p.detach(), dict(opt.state[p])
 
 
-def _state_labels(name: str, state: dict[str, Any]) -> list[tuple[str, str]]:
-    """The state tensors compared (not the scalar step counts, which Adam keeps on the CPU: they travel, and the
-    recomputed moments show a wrong one)."""
-    return [(f"{name} [{k}]", k) for k in sorted(state, key=str)
-            if isinstance(state[k], torch.Tensor) and state[k].numel() > 1]
-
-
 def _fingerprints(params: Sequence[torch.Tensor], states: Sequence[dict[str, Any]], names: Sequence[str]
                   ) -> tuple[list[str], torch.Tensor]:
-    """Labels and fingerprint rows of each parameter followed by its state tensors, in a fixed order."""
+    """Labels and fingerprint rows of each parameter followed by its state tensors, in a fixed order (not the scalar
+    step counts, which Adam keeps on the CPU: they travel, and the recomputed moments show a wrong one)."""
     labels: list[str] = []
     tensors: list[torch.Tensor] = []
     for name, param, state in zip(names, params, states, strict=True):
         labels.append(name)
         tensors.append(param)
-        for label, key in _state_labels(name, state):
+        for label, key in state_rows(name, state):
             labels.append(label)
             tensors.append(state[key])
     return labels, fingerprint([t.detach() for t in tensors])
@@ -137,7 +133,7 @@ class Slice:
     grads: list[torch.Tensor | None]
     states: list[dict[str, Any]]               # pre-update state (tensors copied)
     hyper: list[dict[str, Any]]
-    step_kwargs: dict[str, Any] = field(default_factory=dict)  # grad_scale / found_inf a GradScaler passed
+    scaling: dict[str, Any] = field(default_factory=dict)  # grad_scale / found_inf a GradScaler set
     labels: list[str] = field(default_factory=list)
     after: list[tuple[int, ...]] | None = None  # fingerprints of the applied update (host, read at the audit)
     after_device: torch.Tensor | None = None
@@ -146,14 +142,8 @@ class Slice:
         """What travels ahead of the tensors: everything but them, and their layout."""
         layout, plain = _layout(self.params, self.grads, self.states)
         return {"step": self.step, "cls": self.cls, "names": self.names, "hyper": self.hyper,
-                "step_kwargs": self.step_kwargs, "labels": self.labels, "after": self.after, "layout": layout,
+                "scaling": self.scaling, "labels": self.labels, "after": self.after, "layout": layout,
                 "plain": plain}
-
-    def record(self) -> dict[str, Any]:
-        """The plain record that travels to the partner (loaded with ``weights_only=True``)."""
-        return {"step": self.step, "cls": self.cls, "names": self.names, "params": self.params, "grads": self.grads,
-                "states": self.states, "hyper": self.hyper, "step_kwargs": self.step_kwargs,
-                "labels": self.labels, "after": self.after}
 
 
 def _class(path: str) -> type[torch.optim.Optimizer]:
@@ -202,51 +192,27 @@ def _check_one(meta: dict[str, Any], i: int, tensors: Sequence[torch.Tensor], de
         else:
             state[key.removeprefix("state:")] = x
     assert param is not None
-    kwargs = {k: v.to(device) for k, v in meta["step_kwargs"].items()}
-    new_p, new_s = recompute(cls, hyper, param, grad, state, kwargs, owned=owned)
+    scaling = {k: v.to(device) for k, v in meta["scaling"].items()}
+    new_p, new_s = recompute(cls, hyper, param, grad, state, scaling, owned=owned)
     labels, table = _fingerprints([new_p], [new_s], [meta["names"][i]])
     return labels, [tuple(r) for r in table.cpu().tolist()]
 
 
-def rerun(record: dict[str, Any], device: torch.device) -> tuple[list[str], list[tuple[int, ...]]]:
-    """Recompute a slice's update (its ``Slice.record()``) on ``device``, one parameter at a time, on copies: labels
-    and fingerprint rows."""
-    layout, plain = _layout(record["params"], record["grads"], record["states"])
-    meta = {**record, "layout": layout, "plain": plain}
-    s = Slice(step=record["step"], cls=record["cls"], names=record["names"], params=record["params"],
-              grads=record["grads"], states=record["states"], hyper=record["hyper"])
+def rerun(s: Slice, device: torch.device) -> tuple[list[str], list[tuple[int, ...]]]:
+    """Recompute a slice's update on ``device``, one parameter at a time, on copies: labels and fingerprint rows."""
+    meta = s.meta()
     labels: list[str] = []
     rows: list[tuple[int, ...]] = []
-    for i in range(len(record["names"])):
+    for i in range(len(s.names)):
         lab, r = _check_one(meta, i, _tensors(s, i), device, owned=False)
         labels += lab
         rows += r
     return labels, rows
 
 
-def _pack(record: dict[str, Any] | None) -> torch.Tensor:
-    buf = io.BytesIO()
-    torch.save(record, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-
-
 def _unpack(data: torch.Tensor) -> dict[str, Any] | None:
-    out = torch.load(io.BytesIO(data.cpu().numpy().tobytes()), map_location="cpu", weights_only=True)
+    out = from_bytes(data)
     return out if isinstance(out, dict) else None
-
-
-def _exchange(payload: torch.Tensor, send_to: int, recv_from: int, group: Any, wire: torch.device) -> torch.Tensor:
-    def p2p(out: torch.Tensor, into: torch.Tensor) -> None:
-        ops = [dist.P2POp(dist.isend, out, send_to, group), dist.P2POp(dist.irecv, into, recv_from, group)]
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-
-    size_out = torch.tensor([payload.numel()], dtype=torch.int64, device=wire)
-    size_in = torch.zeros(1, dtype=torch.int64, device=wire)
-    p2p(size_out, size_in)
-    data_in = torch.empty(int(size_in.item()), dtype=torch.uint8, device=wire)
-    p2p(payload.to(wire), data_in)
-    return data_in
 
 
 class UpdateAudit:
@@ -264,7 +230,6 @@ class UpdateAudit:
         self._cursor = 0               # where the next slice starts (rotates through the parameters)
         self.pending: Slice | None = None
         self._chosen: list[int] = []  # the pending slice's parameter indices
-        self.audits = 0
         self.errors: list[str] = []    # the last audit's errors, every rank's (gathered)
 
     def due(self, step: int) -> bool:
@@ -298,7 +263,7 @@ class UpdateAudit:
         self._cursor = chosen[-1] + 1 if chosen[-1] + 1 < len(self._params) else 0
         return chosen
 
-    def before_update(self, step: int, kwargs: dict[str, Any]) -> None:
+    def before_update(self, step: int) -> None:
         """Optimizer pre-hook after step ``step``'s block: when that update is audited, copy the slice as the update
         will read it (local, no collective). A slice not audited yet is dropped (its audit skipped); a second
         ``optimizer.step()`` in the same step is not audited."""
@@ -323,12 +288,12 @@ class UpdateAudit:
                            for k, v in self._optimizer.state.get(p, {}).items()})
             hyper.append(_hyper(group_of[id(p)], [p]))
         # A GradScaler unscales inside a fused step: it sets these on the optimizer around the call.
-        step_kwargs = {k: v.detach().to(host, copy=True) for k in ("grad_scale", "found_inf")
-                       if isinstance(v := getattr(self._optimizer, k, None), torch.Tensor)}
+        scaling = {k: v.detach().to(host, copy=True) for k in ("grad_scale", "found_inf")
+                   if isinstance(v := getattr(self._optimizer, k, None), torch.Tensor)}
         cls = type(self._optimizer)
         self.pending = Slice(step=step, cls=f"{cls.__module__}.{cls.__qualname__}",
                              names=[self._names[i] for i in chosen], params=params, grads=grads, states=states,
-                             hyper=hyper, step_kwargs=step_kwargs)
+                             hyper=hyper, scaling=scaling)
         self._chosen = chosen
 
     def after_update(self, step: int) -> None:
@@ -356,11 +321,11 @@ class UpdateAudit:
         try:
             assert mine is not None and mine.after_device is not None
             mine.after = [tuple(r) for r in mine.after_device.cpu().tolist()]
-            payload = _pack(mine.meta())
+            payload = to_bytes(mine.meta())
             _unpack(payload)  # what the partner will load: a description it could not read would leave it waiting
         except Exception as e:  # noqa: BLE001 - the peer must not wait forever: an empty record goes out
-            error, payload, mine = f"packing the update slice failed: {type(e).__name__}: {e}", _pack(None), None
-        received = _exchange(payload, send_to, recv_from, group, wire)
+            error, payload, mine = f"packing the update slice failed: {type(e).__name__}: {e}", to_bytes(None), None
+        received = exchange_bytes(payload, send_to, recv_from, group, wire)
         del payload
         try:
             theirs = _unpack(received)
@@ -400,10 +365,9 @@ class UpdateAudit:
                 report.update(rows=rows, after=[tuple(r) for r in theirs["after"]], labels=labels)
         if mine is not None:
             try:
-                report["own"] = rerun(mine.record(), device)[1]
+                report["own"] = rerun(mine, device)[1]
             except Exception as e:  # noqa: BLE001
                 report["error"] = report["error"] or f"rerunning its own update failed: {type(e).__name__}: {e}"
-        self.audits += 1
         reports = gather(report)
         self.errors = [f"rank {ranks[q]}: {r['error']}" for q, r in enumerate(reports)
                        if isinstance(r, dict) and r.get("error")]
@@ -442,7 +406,7 @@ def _recv_sized(src: int, group: Any, wire: torch.device) -> torch.Tensor:
 
 def _send_slice(s: Slice | None, dst: int, group: Any, wire: torch.device) -> None:
     """A slice to a referee: its description, then its tensors parameter by parameter (blocking sends)."""
-    _send_sized(_pack(s.meta() if s is not None else None), dst, group, wire)
+    _send_sized(to_bytes(s.meta() if s is not None else None), dst, group, wire)
     for i in range(len(s.names) if s is not None else 0):
         assert s is not None
         for x in _tensors(s, i):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,9 +20,16 @@ from sdc_telemetry.core.findings import Finding
 from sdc_telemetry.core.fingerprint import digest, fingerprint, format_fingerprint
 from sdc_telemetry.core.vote import vote
 
-__all__ = ["WeightsCheck", "decide"]
+__all__ = ["WeightsCheck", "decide", "state_rows"]
 
 log = logging.getLogger("sdc_telemetry")
+
+
+def state_rows(name: str, state: dict[Any, Any]) -> list[tuple[str, Any]]:
+    """The optimizer state of parameter ``name`` that is fingerprinted, as (label ``name [key]``, key), in a fixed
+    order: its tensors (Adam's moments, SGD's momentum), not the scalar step counts."""
+    return [(f"{name} [{k}]", k) for k in sorted(state, key=str)
+            if isinstance(state[k], torch.Tensor) and state[k].numel() > 1]
 
 
 class WeightsCheck:
@@ -55,14 +63,10 @@ class WeightsCheck:
         labels = list(self.names)
         if self._optimizer is not None:
             for name, p in zip(self.names, self._params, strict=True):
-                state = self._optimizer.state.get(p)
-                if not state:
-                    continue
-                for key in sorted(state, key=str):
-                    value = state[key]
-                    if isinstance(value, torch.Tensor) and value.numel() > 1:  # not the scalar step counts
-                        tensors.append(local(value))
-                        labels.append(f"{name} [{key}]")
+                state = self._optimizer.state.get(p, {})
+                for label, key in state_rows(name, state):
+                    tensors.append(local(state[key]))
+                    labels.append(label)
         self.labels = labels
         self.table = fingerprint(tensors)
         return digest(self.table)

@@ -90,13 +90,13 @@ def test_slices_rotate_and_a_local_rerun_reproduces_each() -> None:
         seen = []
         for step in range(5):
             model(torch.randn(3, 4)).sum().backward()
-            audit.before_update(step, {})
+            audit.before_update(step)
             opt.step()
             audit.after_update(step)
             s = audit.pending
             assert s is not None and s.after_device is not None and audit.ready_for(step)
             s.after = [tuple(r) for r in s.after_device.tolist()]
-            labels, rows = U.rerun(s.record(), torch.device("cpu"))
+            labels, rows = U.rerun(s, torch.device("cpu"))
             assert labels == s.labels and rows == s.after, (cls.__name__, step)
             seen.append(s.names)
             opt.zero_grad()
@@ -106,7 +106,7 @@ def test_slices_rotate_and_a_local_rerun_reproduces_each() -> None:
 def _local_audit(model: nn.Module, opt: torch.optim.Optimizer) -> U.UpdateAudit:
     named = list(model.named_parameters())
     audit = U.UpdateAudit([n for n, _ in named], [p for _, p in named], opt, lambda t: t, 1, slice_bytes=1 << 20)
-    opt.register_step_pre_hook(lambda o, a, k: audit.before_update(audit.step_now, k))  # type: ignore[attr-defined]
+    opt.register_step_pre_hook(lambda o, a, k: audit.before_update(audit.step_now))  # type: ignore[attr-defined]
     opt.register_step_post_hook(lambda o, a, k: audit.after_update(audit.step_now))  # type: ignore[attr-defined]
     return audit
 
@@ -115,8 +115,8 @@ def _reruns_match(audit: U.UpdateAudit, step: int) -> bool:
     s = audit.pending
     assert s is not None and s.step == step and s.after_device is not None
     s.after = [tuple(r) for r in s.after_device.tolist()]
-    U._unpack(U._pack(s.meta()))  # the description travels (weights_only loading)
-    labels, rows = U.rerun(s.record(), torch.device("cpu"))
+    U._unpack(U.to_bytes(s.meta()))  # the description travels (weights_only loading)
+    labels, rows = U.rerun(s, torch.device("cpu"))
     return labels == s.labels and rows == s.after
 
 
@@ -133,7 +133,7 @@ def test_a_fused_step_under_a_grad_scaler_is_recomputed_with_its_scale() -> None
         scaler.scale(model(torch.randn(4, 8)).square().mean()).backward()
         scaler.step(opt)
         scaler.update()
-        assert audit.pending is not None and set(audit.pending.step_kwargs) == {"grad_scale", "found_inf"}
+        assert audit.pending is not None and set(audit.pending.scaling) == {"grad_scale", "found_inf"}
         assert _reruns_match(audit, step), step
         opt.zero_grad()
 
