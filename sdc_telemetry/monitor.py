@@ -167,9 +167,15 @@ class SDCMonitor:
         self._replay = ReplayCheck(self.module, loss_fn, named, layout.group, self._ranks, self.identities,
                                    self.device, self.mode, self.config.tolerance, self.config.replay_every,
                                    recompute=layout.recompute if layout.lockstep else None, every_step=triggers,
-                                   units=layout.replay_units(), rerun=getattr(layout, "rerun", None)) \
+                                   units=layout.replay_units(), rerun=getattr(layout, "rerun", None),
+                                   classes=classes) \
             if replicas and (self.config.replay_every or triggers) and (loss_fn is not None or layout.pipelined) \
             else None
+        if self._replay is not None and self._replay.alone and self._writer:
+            log.warning("sdc_telemetry: rank(s) %s alone in their numerics class (device model, software stack or "
+                        "kernel settings): no other rank computes the same bits, so replay cannot audit them (each "
+                        "reruns its own micro-batches: a transient fault shows, a persistent one does not); their "
+                        "gradients and weights are still checked", self._replay.alone[:16])
         self._record = grad_check.GradRecord(self._params, self.device)
         self._record.sketching = self.mode == "tolerance"
         self._outliers = OutlierTrigger() if triggers and self._replay is not None else None
@@ -657,7 +663,8 @@ class SDCMonitor:
             reason, lambda: (int(self._record.total_fp().item()), self._record.norms, self._record.sketch),
             lambda key, text: self._warn_once(key, "sdc_telemetry: step %d: %s", step, text),
             lambda: self._internal_error("replay", "reading the recorded gradients failed"))
-        deltas = ReplayDeltas(measured.loss_delta, measured.grad_delta, measured.mismatch) if measured else None
+        deltas = ReplayDeltas(measured.loss_delta, measured.grad_delta, measured.mismatch, measured.origin_rank) \
+            if measured else None
         return finding, result, deltas
 
     # -- responding ----------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Outcome", "Pairing", "ReplicaPairing", "attribute", "plan_pairs", "plan_replica_pairs"]
+__all__ = ["Outcome", "Pairing", "ClassPairing", "ReplicaPairing", "attribute", "plan_pairs", "plan_replica_pairs"]
 
 _MAX_SHIFTS = 16       # shifts kept in the rotation
 _MAX_CANDIDATES = 64   # shifts examined (each costs O(W)): set-up stays O(W log W) at any world size
@@ -31,6 +31,8 @@ class Pairing:
     index: tuple[int, ...]   # group position -> order index
     shifts: tuple[int, ...]
 
+    alone: tuple[int, ...] = ()  # every position has partners (see ClassPairing)
+
     def origin(self, pos: int, shift: int) -> int:
         """The position whose micro-batches ``pos`` replays."""
         return self.order[(self.index[pos] + shift) % len(self.order)]
@@ -40,8 +42,9 @@ class Pairing:
         return self.order[(self.index[pos] - shift) % len(self.order)]
 
 
-def plan_pairs(hosts: Sequence[str]) -> Pairing:
-    """Pair every rank with a rank on another host where possible, in O(W log W).
+def plan_pairs(hosts: Sequence[str], classes: Sequence[int] | None = None) -> Pairing | ClassPairing:
+    """Pair every rank with a rank on another host where possible, in O(W log W); with ``classes`` (a numerics class
+    per position: device model, software stack, kernel settings) only within a class (``ClassPairing``).
 
     Ranks are interleaved round-robin across hosts (the first rank of every host, then the second ...), so a shift
     along that order crosses hosts for every rank unless it is a multiple of the host count (equal host sizes).
@@ -51,6 +54,12 @@ def plan_pairs(hosts: Sequence[str]) -> Pairing:
     >>> [p.origin(pos, p.shifts[0]) for pos in range(4)]
     [2, 3, 1, 0]
     """
+    if classes is not None and len(set(classes)) > 1:
+        return ClassPairing.plan(hosts, classes)
+    return _plan(hosts)
+
+
+def _plan(hosts: Sequence[str]) -> Pairing:
     world = len(hosts)
     by_host: dict[str, list[int]] = {}
     for pos, h in enumerate(hosts):
@@ -75,12 +84,68 @@ def plan_pairs(hosts: Sequence[str]) -> Pairing:
 
 
 @dataclass(frozen=True)
+class ClassPairing:
+    """Partners within numerics classes (ranks whose GPUs, software stacks or kernel settings differ compute
+    different bits, and draw different dropout masks: a CUDA generator's stream depends on the SM count). Each class
+    of two or more positions rotates through its own host-interleaved ``Pairing``; a position alone in its class
+    replays itself (a rerun: it can show a transient fault, not a persistent one) and is listed in ``alone``.
+
+    The rotation is by index: ``shifts`` are ``1..R`` and index ``s`` selects the ``s``-th shift of every class
+    (cyclically), so that a referee round with another index meets another partner wherever the class has one.
+
+    >>> p = plan_pairs(["a", "b", "a", "b", "c"], classes=[7, 7, 9, 9, 9])
+    >>> [p.origin(pos, 1) for pos in range(5)], p.alone
+    ([1, 0, 3, 4, 2], ())
+    >>> plan_pairs(["a", "b", "c"], classes=[7, 7, 9]).alone
+    (2,)
+    """
+
+    members: tuple[tuple[int, ...], ...]   # class -> its positions
+    pairings: tuple[Pairing, ...]          # class -> pairing over its members (by index into ``members``)
+    class_of: tuple[int, ...]              # position -> class
+    local: tuple[int, ...]                 # position -> index among its class's members
+    shifts: tuple[int, ...]
+
+    @classmethod
+    def plan(cls, hosts: Sequence[str], classes: Sequence[int]) -> ClassPairing:
+        keys = sorted(set(classes), key=list(classes).index)  # in order of first appearance
+        members = tuple(tuple(p for p, c in enumerate(classes) if c == k) for k in keys)
+        pairings = tuple(_plan([hosts[p] for p in m]) for m in members)
+        class_of, local = [0] * len(hosts), [0] * len(hosts)
+        for c, m in enumerate(members):
+            for i, p in enumerate(m):
+                class_of[p], local[p] = c, i
+        rotation = max(1, max(len(pr.shifts) for pr in pairings))
+        return cls(members, pairings, tuple(class_of), tuple(local), tuple(range(1, rotation + 1)))
+
+    @property
+    def alone(self) -> tuple[int, ...]:
+        """Positions alone in their numerics class: no partner computes the same bits, so replay cannot audit them."""
+        return tuple(m[0] for m in self.members if len(m) == 1)
+
+    def _move(self, pos: int, index: int, forward: bool) -> int:
+        c = self.class_of[pos]
+        pairing = self.pairings[c]
+        if not pairing.shifts:
+            return pos
+        shift = pairing.shifts[(index - 1) % len(pairing.shifts)]
+        i = pairing.origin(self.local[pos], shift) if forward else pairing.replayer(self.local[pos], shift)
+        return self.members[c][i]
+
+    def origin(self, pos: int, shift: int) -> int:
+        return self._move(pos, shift, True)
+
+    def replayer(self, pos: int, shift: int) -> int:
+        return self._move(pos, shift, False)
+
+
+@dataclass(frozen=True)
 class ReplicaPairing:
     """Pairs of replicas lifted to positions: where several ranks compute one micro-batch together (tensor, context
     or pipeline parallelism), the replica at order index ``i`` replays the replica at ``i + s``, and each position
     replays the position of the same slot (coordinate) in that replica."""
 
-    replicas: Pairing                      # over replica indices
+    replicas: Pairing | ClassPairing       # over replica indices
     replica_of: tuple[int, ...]            # position -> replica index
     slot_of: tuple[int, ...]               # position -> slot within its replica
     at: dict[tuple[int, int], int]         # (replica, slot) -> position
@@ -89,6 +154,11 @@ class ReplicaPairing:
     def shifts(self) -> tuple[int, ...]:
         return self.replicas.shifts
 
+    @property
+    def alone(self) -> tuple[int, ...]:
+        """Positions of replicas alone in their numerics class."""
+        return tuple(p for p, r in enumerate(self.replica_of) if r in self.replicas.alone)
+
     def origin(self, pos: int, shift: int) -> int:
         return self.at[(self.replicas.origin(self.replica_of[pos], shift), self.slot_of[pos])]
 
@@ -96,9 +166,12 @@ class ReplicaPairing:
         return self.at[(self.replicas.replayer(self.replica_of[pos], shift), self.slot_of[pos])]
 
 
-def plan_replica_pairs(hosts: Sequence[str], replica_of: Sequence[int], slot_of: Sequence[int]) -> ReplicaPairing:
+def plan_replica_pairs(hosts: Sequence[str], replica_of: Sequence[int], slot_of: Sequence[int],
+                       classes: Sequence[int] | None = None) -> ReplicaPairing:
     """``plan_pairs`` over replicas, a replica standing for the set of hosts its ranks run on: a replica is paired
-    with one on other hosts where possible, so that no coordinate is checked by a rank of the same host.
+    with one on other hosts where possible, so that no coordinate is checked by a rank of the same host. With
+    ``classes`` (per position), a replica's numerics class is the set of its ranks' classes, and replicas pair within
+    a class.
 
     >>> p = plan_replica_pairs(["a", "a", "b", "b"], [0, 0, 1, 1], [0, 1, 0, 1])
     >>> [p.origin(pos, p.shifts[0]) for pos in range(4)]
@@ -112,7 +185,13 @@ def plan_replica_pairs(hosts: Sequence[str], replica_of: Sequence[int], slot_of:
     per: list[set[str]] = [set() for _ in range(count)]
     for pos, r in enumerate(replica_of):
         per[r].add(hosts[pos])
-    return ReplicaPairing(plan_pairs(["+".join(sorted(h)) for h in per]), tuple(replica_of), tuple(slot_of), at)
+    kinds: list[set[int]] = [set() for _ in range(count)]
+    for pos, r in enumerate(replica_of):
+        kinds[r].add(classes[pos] if classes is not None else 0)
+    keys = sorted({tuple(sorted(k)) for k in kinds})
+    replica_classes = [keys.index(tuple(sorted(k))) for k in kinds]
+    return ReplicaPairing(plan_pairs(["+".join(sorted(h)) for h in per], replica_classes), tuple(replica_of),
+                          tuple(slot_of), at)
 
 
 def attribute(outcome: Outcome, replica_of: Sequence[int] | None = None) -> tuple[tuple[int, ...], dict[str, Any]]:

@@ -60,7 +60,7 @@ class ReplayCheck:
                  tolerance: float | str, every: int, recompute: Recompute | None = None,
                  every_step: bool = False, units: tuple[list[int], list[int]] | None = None,
                  coordinate_of: Callable[[int], dict[str, int] | None] | None = None,
-                 rerun: Callable[..., Any] | None = None) -> None:
+                 rerun: Callable[..., Any] | None = None, classes: Sequence[int] | None = None) -> None:
         if loss_fn is None and rerun is None:
             raise ValueError("replay needs loss_fn(module, batch) -> scalar loss")
         self._params = [p for _, p in named_params]
@@ -83,10 +83,13 @@ class ReplayCheck:
         hosts = [identities[r].host_name if r in identities else str(r) for r in self._ranks]
         self._hosts = hosts
         # N-D layouts: the ranks of a replica compute one micro-batch together; replicas are paired, and each
-        # position replays the same coordinate of the partner replica.
+        # position replays the same coordinate of the partner replica. ``classes`` (a numerics class per position,
+        # where the ranks' stacks differ): partners only within a class.
         self._replica_of = units[0] if units is not None else None
         self._replica_count = max(units[0]) + 1 if units is not None else len(self._ranks)
-        self._pairs = plan_replica_pairs(hosts, *units) if units is not None else plan_pairs(hosts)
+        self._pairs = plan_replica_pairs(hosts, *units, classes=classes) if units is not None \
+            else plan_pairs(hosts, classes)
+        self.alone = [self._ranks[p] for p in self._pairs.alone]  # ranks no partner can audit (their own class)
         self._coordinate_of = coordinate_of
         self._last_deltas: dict[str, dict[str, float | str]] = {}
         self._audits = 0
@@ -507,7 +510,10 @@ class ReplayCheck:
         self.errors += [self._ranks[p] for p, r in enumerate(rows) if r[3] and self._ranks[p] not in self.errors]
 
     def _exchange(self, mine: dict[str, Any], send_to: int, recv_from: int) -> dict[str, Any] | None:
-        """Send this rank's record to ``send_to`` and receive ``recv_from``'s (group positions), point-to-point."""
+        """Send this rank's record to ``send_to`` and receive ``recv_from``'s (group positions), point-to-point. A
+        rank alone in its numerics class is its own partner: it keeps its record (a rerun)."""
+        if send_to == recv_from == self._pos:
+            return mine
         theirs, error = exchange(mine, self._ranks[send_to], self._ranks[recv_from], self._group, self._wire,
                                  self._device)
         if error:

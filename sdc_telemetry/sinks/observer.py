@@ -21,11 +21,13 @@ RESULTS = ("pass", "fail", "error", "skipped")
 
 @dataclass(frozen=True)
 class ReplayDeltas:
-    """This rank's last replay audit: relative deltas of its recomputation of its partner's micro-batches."""
+    """This rank's last replay audit: relative deltas of its recomputation of its partner's micro-batches
+    (``origin_rank``: whose; this rank itself where it is alone in its numerics class; -1 not known)."""
 
     loss_delta: float
     grad_delta: float
     mismatch: bool
+    origin_rank: int = -1
 
 
 @dataclass(frozen=True)

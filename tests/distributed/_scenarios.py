@@ -158,8 +158,8 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
     _plan(faults, sc.get("fault"))
     _plan(faults, sc.get("fault2"))
     config = sdc.SDCConfig(**{"metrics_port": None, "nvml": False, **sc.get("config", {})})
-    if sc.get("signature_by_rank"):
-        os.environ["SDC_NUMERICS_SIGNATURE"] = f"stack-{rank % 2}"
+    if sc.get("signature_by_rank"):  # a mixed cluster: "stack-{class}" per rank (default: rank % 2)
+        os.environ["SDC_NUMERICS_SIGNATURE"] = f"stack-{sc.get('classes', {}).get(rank, rank % 2)}"
     benchmark_before = torch.backends.cudnn.benchmark
     if sc.get("cudnn_benchmark_rank") == rank:  # this rank lets cuDNN autotune: its kernels may differ
         torch.backends.cudnn.benchmark = True
@@ -307,6 +307,8 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
         "report_errors": [e for r in recorder.reports for e in r.errors] if recorder else [],
         "verified": verified,
         "mode": monitor.mode,
+        "alone": monitor._replay.alone if monitor._replay is not None else None,
+        "audited": [r.replay.origin_rank for r in recorder.reports if r.replay is not None] if recorder else [],
         "steps_reported": [r.step for r in recorder.reports if r.counts_step] if recorder else [],
         "durations": [r.durations for r in recorder.reports] if recorder else [],
         "gathers": gathers[0],

@@ -204,11 +204,15 @@ def test_verify_weights_works_with_weights_every_zero_and_sees_a_row_swap(three_
         assert r["counts"]["weights"] == {"fail": 1}  # the one on-demand run, no scheduled one
 
 
-def test_mixed_cluster_compares_with_tolerance_and_stays_silent(three_ranks: dict[str, Any]) -> None:
-    """Ranks on different stacks: the replay uses a calibrated tolerance, and a healthy run has no incident."""
-    for r in three_ranks["mixed_cluster"]:
-        assert r["mode"] == "tolerance"
+def test_mixed_cluster_pairs_within_a_numerics_class_and_stays_silent(three_ranks: dict[str, Any]) -> None:
+    """Ranks on two stacks (ranks 0 and 2 on one, rank 1 on another): the replay uses a calibrated tolerance, every
+    audit pairs ranks of the same stack (0 and 2 replay each other), rank 1 is said to be alone in its class and
+    reruns its own micro-batches, and a healthy run has no incident."""
+    per_rank = three_ranks["mixed_cluster"]
+    for rank, r in enumerate(per_rank):
+        assert r["mode"] == "tolerance" and r["alone"] == [1]
         assert not r["incidents"] and r["counts"]["replay"] == {"pass": 3} and not r["errors"]
+        assert r["audited"] == [{0: 2, 1: 1, 2: 0}[rank]] * 3, (rank, r["audited"])
 
 
 def test_namedtuple_and_ordereddict_batches_replay(three_ranks: dict[str, Any]) -> None:

@@ -261,3 +261,32 @@ def test_sharded_reduced_gradients_are_compared_among_replicas_of_a_shard() -> N
     assert f is not None and f.suspect_ranks == (0, 2) and f.evidence["verdict"] == "communication"
     f = grad.decide(rows, shard_of=[0, 1, 2, 3])  # 1-D mesh: no replica to compare
     assert f is not None and f.suspect_ranks == ()
+
+
+def test_replay_partners_share_a_numerics_class() -> None:
+    """Two device models (and one odd rank): every rank replays a rank of its own class, on another host where the
+    class spans hosts, the rotation meets every partner of the class, and the rank alone in its class replays itself
+    and is listed as not auditable; one class everywhere keeps the plain host-interleaved plan."""
+    from sdc_telemetry.checks.pairing import ClassPairing, plan_pairs
+
+    hosts = ["a", "a", "b", "b", "c", "c", "d"]
+    classes = [10, 20, 10, 20, 10, 20, 30]  # H100s on 0, 2, 4; A100s on 1, 3, 5; one L40S on 6
+    p = plan_pairs(hosts, classes)
+    assert isinstance(p, ClassPairing) and p.alone == (6,)
+    met: dict[int, set[int]] = {pos: set() for pos in range(7)}
+    for s in p.shifts:
+        origins = [p.origin(pos, s) for pos in range(7)]
+        assert sorted(origins) == list(range(7))  # a permutation: every rank is audited once per round
+        for pos, o in enumerate(origins):
+            assert classes[o] == classes[pos] and p.replayer(o, s) == pos
+            assert (hosts[o] != hosts[pos]) == (pos != 6)
+            met[pos].add(o)
+    assert met[0] == {2, 4} and met[1] == {3, 5} and met[6] == {6}
+    assert plan_pairs(hosts, [1] * 7).alone == () and not isinstance(plan_pairs(hosts, [1] * 7), ClassPairing)
+    # N-D: replicas pair within the class of their ranks; replica 2 (ranks 4, 5) has a class of its own.
+    from sdc_telemetry.checks.pairing import plan_replica_pairs
+
+    rp = plan_replica_pairs(["a", "a", "b", "b", "c", "c"], [0, 0, 1, 1, 2, 2], [0, 1, 0, 1, 0, 1],
+                            classes=[1, 1, 1, 1, 2, 2])
+    assert rp.alone == (4, 5)
+    assert [rp.origin(pos, rp.shifts[0]) for pos in range(6)] == [2, 3, 0, 1, 4, 5]
