@@ -1,4 +1,4 @@
-"""Calibrating tolerance mode's threshold (``tolerance="auto"``) from healthy audits, at a fixed size per rank.
+"""Calibrating tolerance mode's thresholds (``tolerance="auto"``) from healthy audits, at a fixed size per rank.
 
 Two sources, each reduced over the group at a fixed size at any world size, never a gather: a rank rerunning its own
 step (the noise floor of non-deterministic kernels: the median rank's, from a summed histogram of one delta per rank,
@@ -24,25 +24,35 @@ import math
 from collections import deque
 from collections.abc import Sequence
 
-__all__ = ["Calibration", "histogram", "noise_median", "AUTO_FLOOR", "WARMUP"]
+__all__ = ["Calibration", "histogram", "noise_median", "AUTO_FLOOR", "CROSS_FACTOR", "SKETCH_FACTOR"]
 
 AUTO_FLOOR = 1e-5      # relative tolerance when reruns are bitwise identical
-_AUTO_FACTOR = 10.0    # threshold = factor x the rerun noise floor
-_CROSS_FACTOR = 10.0   # threshold = factor x the largest healthy cross-rank delta
+_AUTO_FACTOR = 3.0     # thresholds >= factor x the rerun noise floor (the median rank's, a bucket's upper edge)
+CROSS_FACTOR = 4.0     # threshold of a compared quantity = factor x its largest healthy cross-rank delta
+SKETCH_FACTOR = 10.0   # block sketches: a decade (their deltas are heavy-tailed where a block's terms cancel)
 _AUTO_CAP = 0.05       # a calibrated threshold never rises above this
 _INITIAL = 1e-3        # until a healthy cross-rank audit was measured: room for ranks whose kernels differ
-_WINDOW = 5            # calibrations each source is taken over
-WARMUP = 5             # the first audits, each of which measures the cross-rank delta
+_WINDOW = 10           # calibrations each source is taken over (cross-rank: the last audits)
 
 
 class Calibration:
-    """The threshold and what it was measured from."""
+    """Thresholds, one per compared quantity (the loss and the whole gradient's norms, then each parameter's block
+    sketch), and what they were measured from. ``size`` quantities: fixed by the model, never by the world size."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: int = 1, factors: Sequence[float] | None = None) -> None:
+        self.size = max(1, size)
+        self.factors = list(factors) if factors is not None else [CROSS_FACTOR] * self.size
+        if len(self.factors) != self.size:
+            raise ValueError(f"{self.size} quantities need as many factors, got {len(self.factors)}")
         self._reruns: deque[float] = deque(maxlen=_WINDOW)
-        self._cross: deque[float] = deque(maxlen=_WINDOW)
-        self.tolerance = _INITIAL
+        self._cross: deque[list[float]] = deque(maxlen=_WINDOW)
+        self.thresholds = [_INITIAL] * self.size
         self.noise_floor = 0.0
+
+    @property
+    def tolerance(self) -> float:
+        """The loosest threshold (what a single-number comparison, a triggered audit's, uses)."""
+        return max(self.thresholds)
 
     def rerun(self, counts: Sequence[int]) -> bool:
         """Fold in a summed histogram of same-rank rerun deltas; False when no rank contributed."""
@@ -53,19 +63,30 @@ class Calibration:
         self._update()
         return True
 
-    def across(self, largest: float | None) -> bool:
-        """Fold in the largest healthy cross-rank delta of an audit (None: no rank contributed; a non-finite or
-        negative value is refused as no data); False when nothing was folded in."""
-        if largest is None or not math.isfinite(largest) or largest < 0:
+    def across(self, largest: float | Sequence[float | None] | None) -> bool:
+        """Fold in the largest healthy cross-rank delta of an audit, per quantity (a single number applies to every
+        quantity; None, a non-finite or a negative value: that quantity has no data and keeps its window); False when
+        nothing was folded in."""
+        values = [largest] * self.size if largest is None or isinstance(largest, (int, float)) else list(largest)
+        if len(values) != self.size:
+            raise ValueError(f"calibration of {self.size} quantities got {len(values)} deltas")
+        usable = [v if v is not None and math.isfinite(v) and v >= 0 else math.nan for v in values]
+        if all(math.isnan(v) for v in usable):
             return False
-        self._cross.append(largest)
+        self._cross.append(usable)
         self._update()
         return True
 
     def _update(self) -> None:
-        self.noise_floor = max([*self._reruns, *self._cross], default=0.0)
-        across = _CROSS_FACTOR * max(self._cross) if self._cross else _INITIAL
-        self.tolerance = min(max(AUTO_FLOOR, _AUTO_FACTOR * max(self._reruns, default=0.0), across), _AUTO_CAP)
+        measured = [v for row in self._cross for v in row if not math.isnan(v)]
+        self.noise_floor = max([*self._reruns, *measured], default=0.0)
+        low = max(AUTO_FLOOR, _AUTO_FACTOR * max(self._reruns, default=0.0))
+        out = []
+        for i in range(self.size):
+            seen = [row[i] for row in self._cross if not math.isnan(row[i])]
+            across = self.factors[i] * max(seen) if seen else _INITIAL
+            out.append(min(max(low, across), _AUTO_CAP))
+        self.thresholds = out
 
 
 # Rerun-noise histogram: bucket 0 holds exact reruns (delta 0), buckets 1.._BINS cover 1e-20..1 in half decades,

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["BLOCKS", "WIDTH", "sketch", "delta"]
+__all__ = ["BLOCKS", "WIDTH", "sketch", "delta", "deltas", "floor"]
 
 BLOCKS = 64        # at most this many blocks per parameter
 MIN_BLOCK = 256    # elements per block at least (small blocks make cancelling gradients look noisy)
@@ -80,31 +80,49 @@ def sketch(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     return out
 
 
+def floor(norms: torch.Tensor, sizes: torch.Tensor, share: float = FLOOR) -> torch.Tensor:
+    """Per parameter, the scale its changes are measured against: its own norm, and at least ``share`` of its share
+    of the whole gradient's norm (by element count), so that a gradient which is zero up to rounding does not turn
+    noise into a large relative change."""
+    norms = norms.double()
+    total = float(torch.linalg.vector_norm(norms))
+    count = max(float(sizes.sum()), 1.0)
+    return torch.maximum(norms, share * total * (sizes.double() / count).sqrt()).clamp_min(1e-30)
+
+
 def delta(recomputed: torch.Tensor, recorded: torch.Tensor) -> float:
-    """The largest change of a block's projection, relative to the block's share of its parameter's norm, and at
-    least ``FLOOR`` of its share of the whole gradient's norm: a gradient that is zero up to rounding (a bias whose
-    terms cancel) must not turn noise into a mismatch. 0 when nothing changed; inf when the values are not
-    comparable (non-finite on one side only, or shapes differ)."""
+    """The largest of ``deltas``: 0 when nothing changed, inf when the tables are not comparable."""
+    return max(deltas(recomputed, recorded), default=0.0)
+
+
+def deltas(recomputed: torch.Tensor, recorded: torch.Tensor) -> list[float]:
+    """Per parameter, the largest change of a block's projection, relative to the block's share of its parameter's
+    norm, and at least ``FLOOR`` of its share of the whole gradient's norm: a gradient that is zero up to rounding (a
+    bias whose terms cancel) must not turn noise into a mismatch. 0 where nothing changed; inf where the values are
+    not comparable (non-finite on one side only; every parameter when the shapes differ)."""
     if recomputed.shape != recorded.shape or recorded.ndim != 2 or recorded.shape[1] != WIDTH:
-        return math.inf
+        return [math.inf] * max(1, recorded.shape[0] if recorded.ndim == 2 else 1)
     a, b = recomputed.double().cpu(), recorded.double().cpu()
     proj_a, proj_b, norms, n = a[:, :BLOCKS], b[:, :BLOCKS], b[:, BLOCKS:2 * BLOCKS], b[:, -1]
-    if not torch.equal(torch.isfinite(proj_a), torch.isfinite(proj_b)):
-        return math.inf
     param_norm = torch.linalg.vector_norm(norms, dim=1)
     total_norm = float(torch.linalg.vector_norm(param_norm))
     total_n = float(n.sum())
-    worst = 0.0
+    finite_a, finite_b = torch.isfinite(proj_a), torch.isfinite(proj_b)
+    out = []
     for i in range(b.shape[0]):
         count = int(n[i])
         if count == 0:
+            out.append(0.0)
             continue
         blocks = _blocks(count)
+        if not torch.equal(finite_a[i, :blocks], finite_b[i, :blocks]):
+            out.append(math.inf)
+            continue
         size = math.ceil(count / blocks)
         diff = (proj_a[i, :blocks] - proj_b[i, :blocks]).abs()
         if not bool(torch.isfinite(diff).all()):
             diff = torch.where(torch.isfinite(diff), diff, torch.zeros_like(diff))  # same non-finite both sides
         share = max(float(param_norm[i]) * math.sqrt(size / count),
                     FLOOR * total_norm * math.sqrt(size / max(total_n, 1.0)), 1e-30)
-        worst = max(worst, float(diff.max()) / share)
-    return worst
+        out.append(float(diff.max()) / share)
+    return out

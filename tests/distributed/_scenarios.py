@@ -308,6 +308,8 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
         "verified": verified,
         "mode": monitor.mode,
         "alone": monitor._replay.alone if monitor._replay is not None else None,
+        "unconfirmed": monitor._replay.unconfirmed if monitor._replay is not None else 0,
+        "thresholds": monitor._replay.thresholds if monitor._replay is not None else None,
         "audited": [r.replay.origin_rank for r in recorder.reports if r.replay is not None] if recorder else [],
         "steps_reported": [r.step for r in recorder.reports if r.counts_step] if recorder else [],
         "durations": [r.durations for r in recorder.reports] if recorder else [],
