@@ -405,7 +405,8 @@ def _trial(t: dict[str, Any], steps: int, replay_every: int, mesh: Any = None, m
         if kind == HEAVY and step == t["step"] and rank == t["rank"]:
             batch = {**batch, "w": batch["w"] * HEAVY_WEIGHT}  # one rank's samples weigh x50 at this step: data
         with monitor.step(batch) as st:
-            loss = fn(ddp, batch)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.get("precision") == "bf16"):
+                loss = fn(ddp, batch)
             st.backward(loss, scaler=scaler)
         value = float(loss.detach())
         losses.append(value if math.isfinite(value) else None)
@@ -878,6 +879,131 @@ def run(trials: int = 240, seed: int = 0, world: int | None = None, steps: int =
     return payload
 
 
+# -- the persistent-fault sweep (tolerance mode) ---------------------------------------------------------------------
+
+SWEEP_MAGNITUDES = (1e-3, 3e-4, 1e-4, 1e-5)  # relative size of a persistent compute fault (1e-5 is reported only)
+SWEEP_TARGET = 0.95  # named on the right rank alone in at least this share of the trials of 1e-3, 3e-4 and 1e-4
+PRECISIONS = ("fp32", "bf16")
+
+
+def plan_sweep(per_magnitude: int, healthy: int, seed: int, world: int, steps: int, replay_every: int,
+               calibration_audits: int, precision: str) -> list[dict[str, Any]]:
+    """Persistent compute faults at fixed magnitudes (``SWEEP_MAGNITUDES``, ``per_magnitude`` trials each) and
+    ``healthy`` healthy runs, each after ``calibration_audits`` healthy audits (what a long job has behind it when a
+    fault starts); rank, module, model, the rank whose kernels deviate and the fault's step drawn at random."""
+    rng = random.Random(seed)
+    prefix = calibration_audits * replay_every
+    targets = {m: _targets(m)[1] for m in ("gpt", "mlp")}
+    kinds = [("compute_persistent", m) for m in SWEEP_MAGNITUDES for _ in range(per_magnitude)]
+    kinds += [("healthy", None)] * healthy
+    rng.shuffle(kinds)
+    out = []
+    for i, (kind, magnitude) in enumerate(kinds):
+        model = rng.choice(("gpt", "mlp"))
+        t: dict[str, Any] = {"id": i, "kind": kind, "model": model, "scaler": False, "seed": rng.randrange(2**31),
+                             "steps": prefix + steps, "precision": precision, "kernel_rank": rng.randrange(world),
+                             "rank": None, "step": None}
+        if kind != "healthy":
+            t.update(rank=rng.randrange(world), step=prefix + rng.randrange(max(1, steps - 2 * replay_every)),
+                     module=rng.choice(targets[model]), relative=magnitude)
+        out.append(t)
+    return out
+
+
+def score_sweep(planned: list[dict[str, Any]], results: dict[int, dict[str, Any]], world: int) -> dict[str, Any]:
+    """Per magnitude: trials whose first incident at or after the fault names the faulty rank alone (and how many
+    steps after the fault); false incidents in healthy runs and before each fault, per healthy rank-steps."""
+    per: dict[float, dict[str, Any]] = {m: {"trials": 0, "named_right": 0, "ambiguous": 0, "wrong": 0, "missed": 0,
+                                            "latencies": []} for m in SWEEP_MAGNITUDES}
+    false, rank_steps, errors = 0, 0, []
+    for t in planned:
+        r = results.get(t["id"]) or {"error": "no result"}
+        if "error" in r:
+            errors.append(r["error"][:300])
+            continue
+        incidents = r["incidents"]
+        if t["kind"] == "healthy":
+            false += len(incidents)
+            rank_steps += t["steps"] * world
+            continue
+        before = [i for i in incidents if i["step"] < t["step"]]
+        false += len(before)
+        rank_steps += t["step"] * world
+        row = per[t["relative"]]
+        row["trials"] += 1
+        after = [i for i in incidents if i["step"] >= t["step"]]
+        if not after:
+            row["missed"] += 1
+        elif after[0]["suspects"] == [t["rank"]] and not after[0]["ambiguous"]:
+            row["named_right"] += 1
+            row["latencies"].append(after[0]["step"] - t["step"])
+        elif t["rank"] in after[0]["suspects"]:
+            row["ambiguous"] += 1
+        else:
+            row["wrong"] += 1
+    for row in per.values():
+        row["rate"] = row["named_right"] / row["trials"] if row["trials"] else None
+        lat = row.pop("latencies")
+        row["latency_median"] = statistics.median(lat) if lat else None
+        row["latency_max"] = max(lat) if lat else None
+    return {"magnitudes": {f"{m:g}": row for m, row in per.items()}, "false_incidents": false,
+            "healthy_rank_steps": rank_steps, "false_per_10000_upper95": 10000 * poisson_upper(false, rank_steps)
+            if rank_steps else None, "errors": errors}
+
+
+def run_sweep(per_magnitude: int = 40, healthy: int = 130, seed: int = 0, world: int = 3, steps: int = 10,
+              replay_every: int = 3, calibration_audits: int = 6, precision: str = "fp32",
+              kernel_deviation: bool = True, per_spawn: int = 30, timeout: float = 600.0,
+              out_dir: str | Path | None = None, quiet: bool = False) -> dict[str, Any]:
+    """Tolerance mode's sensitivity: the sweep of ``plan_sweep`` under emulated GPU numerics, scored by
+    ``score_sweep``; prints the table and writes ``campaign_sweep_<precision>.json``."""
+    say = (lambda *_a: None) if quiet else print
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if (warn := load_warning()) is not None:
+        say(warn)
+    t0 = time.perf_counter()
+    planned = plan_sweep(per_magnitude, healthy, seed, world, steps, replay_every, calibration_audits, precision)
+    results: dict[int, dict[str, Any]] = {}
+    for start in range(0, len(planned), per_spawn):
+        chunk = planned[start:start + per_spawn]
+        try:
+            per_rank = spawn_ranks(_group, world, args=(chunk, steps, replay_every, "ddp", "tolerance",
+                                                        kernel_deviation), timeout=timeout)
+        except RankFailed as e:
+            for t in chunk:
+                results[t["id"]] = {"id": t["id"], "error": f"RankFailed: {str(e)[:2000]}"}
+            continue
+        for i, t in enumerate(chunk):
+            results[t["id"]] = per_rank[0][i]  # verdicts are collective: rank 0's list is every rank's list
+    s = score_sweep(planned, results, world)
+    label = (f"tolerance mode, {precision}" + (" autocast" if precision == "bf16" else "")
+             + f", emulated noise {NOISE:g} on every rank"
+             + (f", one rank's kernels deviating by {KERNEL_DEVIATION:g}" if kernel_deviation else ""))
+    say(table(["persistent fault (relative)", "trials", "named right rank alone", "rate", "ambiguous incl. right",
+               "wrong rank", "missed", "latency steps (median / max)", f"target >= {SWEEP_TARGET:.0%}"],
+              [[k, r["trials"], r["named_right"], "-" if r["rate"] is None else f"{r['rate']:.1%}", r["ambiguous"],
+                r["wrong"], r["missed"],
+                "-" if r["latency_median"] is None else f"{r['latency_median']:g} / {r['latency_max']}",
+                "reported" if float(k) < 1e-4 else "met" if (r["rate"] or 0) >= SWEEP_TARGET else "MISSED"]
+               for k, r in s["magnitudes"].items()],
+              title=f"Persistent compute faults, {world} ranks, {label}, after {calibration_audits} healthy "
+                    f"calibrating audits, replay_every={replay_every}"))
+    say(f"false incidents: {s['false_incidents']} in {s['healthy_rank_steps']} healthy rank-steps (95% upper bound "
+        f"{s['false_per_10000_upper95']:.2f} per 10,000) -> "
+        f"{'met' if s['false_incidents'] == 0 and s['healthy_rank_steps'] >= 20000 else 'MISSED'} (0 in >= 20,000)")
+    if s["errors"]:
+        say(f"{len(s['errors'])} trials failed to run: {s['errors'][:3]}")
+    wall = time.perf_counter() - t0
+    payload = {"sweep": True, "per_magnitude": per_magnitude, "healthy": healthy, "seed": seed, "world": world,
+               "steps": steps, "replay_every": replay_every, "calibration_audits": calibration_audits,
+               "precision": precision, "noise": NOISE, "kernel_deviation": KERNEL_DEVIATION if kernel_deviation else 0,
+               "wall_s": wall, **s, "plan": planned, "results": [results.get(t["id"]) for t in planned]}
+    path = write_json(f"campaign_sweep_{precision}", payload, out_dir)
+    say(f"wrote {path} ({wall:.0f} s)")
+    return payload
+
+
 def _layout(layout: str, world: int) -> str:
     return "" if layout == "ddp" else f" (HSDP: {world // HSDP_MESH[1]} replicas x {HSDP_MESH[1]} shards, fully_shard)"
 
@@ -907,7 +1033,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--replay-every", type=int, default=3)
     p.add_argument("--per-spawn", type=int, default=30, help="trials per spawn of the ranks")
     p.add_argument("--out-dir", help="where the JSON goes (default benchmarks/results)")
+    p.add_argument("--sweep", action="store_true",
+                   help="tolerance mode's sensitivity: persistent compute faults of "
+                        f"{', '.join(f'{m:g}' for m in SWEEP_MAGNITUDES)} relative (--trials each) and --healthy "
+                        "healthy runs, after --calibration-audits healthy audits, under emulated GPU numerics")
+    p.add_argument("--healthy", type=int, default=130, help="--sweep: healthy runs")
+    p.add_argument("--calibration-audits", type=int, default=6, help="--sweep: healthy audits before each fault")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="bf16: the forward passes under torch.autocast('cpu', dtype=torch.bfloat16)")
     a = p.parse_args(argv)
+    if a.sweep:
+        if a.mode != "tolerance":
+            p.error("--sweep measures tolerance mode: add --mode tolerance")
+        if a.quick:
+            run_sweep(per_magnitude=1, healthy=1, seed=a.seed, steps=6, replay_every=2, calibration_audits=2,
+                      precision=a.precision, kernel_deviation=a.kernel_deviation, out_dir=a.out_dir)
+        else:
+            run_sweep(per_magnitude=a.trials, healthy=a.healthy, seed=a.seed, steps=a.steps,
+                      replay_every=a.replay_every, calibration_audits=a.calibration_audits, precision=a.precision,
+                      kernel_deviation=a.kernel_deviation, per_spawn=a.per_spawn, out_dir=a.out_dir)
+        return
     if a.trials < 1 or a.steps < 4 or a.replay_every < 1 or a.cost_steps < 8:
         p.error("need --trials >= 1, --steps >= 4, --replay-every >= 1 and --cost-steps >= 8")
     if a.kernel_deviation and a.mode != "tolerance":
