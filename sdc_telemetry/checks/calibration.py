@@ -1,21 +1,28 @@
 """Calibrating tolerance mode's thresholds (``tolerance="auto"``) from healthy audits, at a fixed size per rank.
 
+What a replay compares is a vector of quantities: the loss and the whole gradient's norms, each parameter's gradient
+norm, and each parameter's block sketch (``checks/sketch.py``). Each has its own threshold: a parameter whose
+gradient cancels to rounding (a bias before a LayerNorm) measures large relative noise, and one threshold for all,
+set by the noisiest, hid a persistent fault of 1e-4 relative in every audit of the project's campaign.
+
 Two sources, each reduced over the group at a fixed size at any world size, never a gather: a rank rerunning its own
 step (the noise floor of non-deterministic kernels: the median rank's, from a summed histogram of one delta per rank,
-so one faulty rank cannot raise it), and two different ranks computing the same micro-batch in a healthy audit
-(ranks whose kernels consistently differ, as when autotuning picked another algorithm: the largest healthy delta, an
-exact MAX that rides in the audit's own agreement, so such a rank is never named). Each source keeps a window of
-recent calibrations; the threshold is a factor above the larger, capped so that noise cannot blind the check for good.
+so one faulty rank cannot raise it; a floor for every quantity), and two different ranks computing the same
+micro-batch in a healthy audit (ranks whose kernels consistently differ, as when autotuning picked another
+algorithm): per quantity, the largest healthy delta over the ranks, an exact MAX that rides in the audit's own
+agreement (one int64 per quantity: the model's size, not the world's), at every scheduled audit. Each source keeps a
+window of recent audits; a threshold is a factor above its quantity's largest delta in the window (``CROSS_FACTOR``
+for norms, ``SKETCH_FACTOR`` for sketches, whose deltas are heavy-tailed), capped so that noise cannot blind the
+check for good.
 
-A rank whose kernels differ measures a delta that moves from step to step: on the campaign's MLP, 2.9e-5 at the
-first audit and 1.8e-4 at the second, for kernels 1e-5 off (the sketches amplify a relative difference of the
-arithmetic about tenfold, more where a gradient's terms cancel). So the cross-rank threshold is a decade above the
-largest healthy delta, and it is measured at each of the first ``WARMUP`` audits, then with the rerun calibration.
+Why norms: a fault in a module's arithmetic (an output scaled by 1 + r) scales its parameters' gradients coherently,
+so their norms move by about r; kernel noise of relative size e, spread over the elements, moves a norm by much less
+than e. Measured on the campaign's models (a rank whose kernels are 1e-5 off, noise 1e-6 everywhere): the largest
+per-parameter norm change of the deviating rank 3e-6 to 2e-5, of a 1e-4 fault 7e-5 to 2e-4.
 
-An audit is judged against the threshold measured before it, and only ranks whose comparison passed contribute their
-cross-rank delta: a fault present at a calibration audit can neither hide itself nor raise the threshold. Until the
-first healthy cross-rank audit the threshold is 1e-3 (a first threshold of 1e-4 named a 1e-5-deviating rank at the
-first audit).
+An audit is judged against the thresholds measured before it, and only ranks whose comparison passed contribute their
+deltas: a fault present at a calibration audit can neither hide itself nor raise the threshold. Until the first
+healthy cross-rank audit every threshold is 1e-3 (room for a rank whose kernels differ).
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from sdc_telemetry.core.collective import group_ranks, wait_work
+from sdc_telemetry.core.schedule import gpu_schedule
 from sdc_telemetry.parallel.base import GradSink, Layout
 
 __all__ = ["DDP", "CommHook", "CommHookState", "comm_hook", "allreduce_as_ddp", "DDPScaling", "ReduceChecksum",
@@ -119,7 +120,7 @@ def _absolute(flat: torch.Tensor, c0: int, c1: int, scratch: torch.Tensor | None
     parts = []
     if whole:
         rows = flat[lo:lo + whole * CHUNK].view(whole, CHUNK)
-        if rows.device.type == "cpu":  # CPU has no fast fused sum of |x| (its 1-norm kernel is slower than both)
+        if not gpu_schedule(rows.device):  # CPU has no fast fused sum of |x| (its 1-norm kernel is slower than both)
             out = scratch[:whole * CHUNK] if scratch is not None and scratch.numel() >= whole * CHUNK \
                 and scratch.dtype == rows.dtype else None
             parts.append((torch.abs(rows, out=out.view(whole, CHUNK)) if out is not None else rows.abs())
@@ -137,14 +138,14 @@ def _weighted(cols: torch.Tensor) -> torch.Tensor:
     each time, and cuBLAS keeps a workspace (up to 32 MiB) for every stream it meets, for good."""
     c = cols.to(torch.float64)
     w = _signs(cols.device)
-    return (c * w).sum(1) if c.is_cuda else torch.mv(c, w)
+    return (c * w).sum(1) if gpu_schedule(c.device) else torch.mv(c, w)
 
 
 def _sums(flat: torch.Tensor, c0: int, c1: int, scratch: torch.Tensor | None = None) -> tuple[torch.Tensor,
                                                                                                torch.Tensor]:
     """(S, A) of chunks ``c0 .. c1`` of ``flat`` (float64, (c1 - c0,) each); on CPU a few chunks at a time, so that
     the second read (``|x|``) comes from cache."""
-    step = c1 - c0 if flat.device.type != "cpu" else max(1, PIECE // CHUNK)
+    step = c1 - c0 if gpu_schedule(flat.device) else max(1, PIECE // CHUNK)
     s, a = [], []
     for c in range(c0, c1, step):
         e = min(c + step, c1)
@@ -247,7 +248,7 @@ _PLANS: dict[tuple[int, tuple[_View, ...], int], _Plan] = {}
 
 def _plan(n: int, views: tuple[_View, ...], device: torch.device) -> _Plan:
     """The bucket's plan, made once per layout (DDP's bucket layouts are fixed after its first-step rebuild)."""
-    piece = PIECE if device.type == "cpu" else max(n, 1)
+    piece = max(n, 1) if gpu_schedule(device) else PIECE
     key = (n, views, piece)
     found = _PLANS.get(key)
     if found is None:
@@ -335,7 +336,7 @@ class ReduceChecksum:
 
     def scratch(self, buffer: torch.Tensor) -> torch.Tensor | None:
         """CPU: a reusable buffer for ``|x|`` of a few chunks (no fresh allocation per piece and step)."""
-        if buffer.device.type != "cpu":
+        if gpu_schedule(buffer.device):
             return None
         key = (buffer.device, buffer.dtype)
         found = self._scratch.get(key)

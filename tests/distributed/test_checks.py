@@ -183,9 +183,10 @@ def test_replay_holds_with_activation_checkpointing_and_experts_without_tokens()
 
 def test_tolerance_mode_under_gpu_noise_sees_single_element_flips_and_tolerates_a_deviating_rank() -> None:
     """Emulated GPU numerics (fresh 1e-6 relative noise per call on every rank, rank 2's kernels 1e-5 off):
-    tolerance mode with a calibrated threshold passes 120 audits with no false incident, and names the origin of a
-    sign flip and of a mantissa bit-20 flip of one element of one parameter's local gradient at an audit step, and of
-    a 1e-3 compute fault present from the first (calibrating) audit."""
+    tolerance mode with calibrated per-quantity thresholds passes 120 audits with no false incident, and names the
+    origin of a sign flip and of a mantissa bit-20 flip of one element of one parameter's local gradient at an audit
+    step, of a 1e-3 compute fault present from the first (calibrating) audit, and of persistent 1e-4 compute faults
+    after 8 calibrating audits, on a common rank and on the deviating one."""
     gpu = {"noise": 1e-6, "bias": 1e-5, "bias_rank": 2}
     config = {"replay_every": 1, "mode": "tolerance", "weights_every": 0}
     flip = {"kind": "flip_grad_bit", "rank": 1, "step": 5, "param": "fc1.weight", "index": 37}
@@ -196,12 +197,23 @@ def test_tolerance_mode_under_gpu_noise_sees_single_element_flips_and_tolerates_
         # A compute fault already there at the first (calibrating) audit must not raise the threshold over itself.
         {"config": config, "steps": 4, "gpu_numerics": gpu,
          "fault": {"kind": "perturb_output", "rank": 1, "step": 0, "module": "fc2", "relative": 1e-3}},
+        # Persistent compute faults of 1e-4 relative after 8 calibrating audits, on a rank with the common kernels
+        # and on the rank whose kernels deviate: per-parameter norm thresholds see both. (Not in fc1: the LayerNorm
+        # after it undoes a scaling of its output, forward and backward, so such a fault changes nothing but rounding.)
+        {"config": config, "steps": 12, "gpu_numerics": gpu,
+         "fault": {"kind": "perturb_output", "rank": 1, "step": 8, "module": "norm", "relative": 1e-4}},
+        {"config": config, "steps": 12, "gpu_numerics": gpu,
+         "fault": {"kind": "perturb_output", "rank": 2, "step": 8, "module": "fc2", "relative": 1e-4}},
     ]
-    healthy, sign, mantissa, early = zip(*spawn_ranks(run_scenarios, 3, (scenarios,), timeout=300), strict=True)
+    healthy, sign, mantissa, early, small, small_deviating = zip(
+        *spawn_ranks(run_scenarios, 3, (scenarios,), timeout=300), strict=True)
     assert _verdicts(early[0])[0][:3] == (0, "replay", (1,)), early[0]["incidents"]
+    assert _verdicts(small[0])[0][:3] == (8, "replay", (1,)), small[0]["incidents"]
+    assert _verdicts(small_deviating[0])[0][:3] == (8, "replay", (2,)), small_deviating[0]["incidents"]
     for r in healthy:
         assert not r["incidents"] and not r["errors"], r["incidents"][:2]
         assert r["counts"]["replay"] == {"pass": 120} and r["mode"] == "tolerance"
+        assert len(r["thresholds"]) == 1 + 2 * 7 and max(r["thresholds"]) < 1e-3  # calibrated, per quantity
     for case in (sign, mantissa):
         assert _verdicts(case[0])[0][:3] == (5, "replay", (1,)), case[0]["incidents"]
 
