@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check, on one CUDA device; CI never runs it. Six parts, each under a timeout (about 14 minutes in all at most,
 # usually under 6):
-#   1. the unit tests marked `gpu` (real NVML through the collector and through Telemetry);
+#   1. the unit tests marked `gpu` (real NVML through the collector and through Telemetry; the one-launch Triton
+#      fingerprint kernel against the torch operations on CUDA tensors);
 #   2. the real NVML counters of this GPU read by the collector, served on a Prometheus endpoint, scraped over HTTP
 #      and printed per family (fields the GPU does not support are listed as left out);
 #   3. sdc.fingerprint against torch.sum on 1 GiB of bf16 and of fp32 (median of CUDA-event timings, GB/s, ratio);

@@ -40,6 +40,7 @@ SKETCH_FACTOR = 10.0   # block sketches: a decade (their deltas are heavy-tailed
 _AUTO_CAP = 0.05       # a calibrated threshold never rises above this
 _INITIAL = 1e-3        # until a healthy cross-rank audit was measured: room for ranks whose kernels differ
 _WINDOW = 10           # calibrations each source is taken over (cross-rank: the last audits)
+_SETTLED = 3           # cross-rank calibrations of a quantity before its threshold may drop below the initial one
 
 
 class Calibration:
@@ -91,7 +92,11 @@ class Calibration:
         out = []
         for i in range(self.size):
             seen = [row[i] for row in self._cross if not math.isnan(row[i])]
+            # Until a quantity has been calibrated at _SETTLED audits its threshold stays at least the initial one:
+            # one or two audits are too few to know how far a deviating rank's kernels move it.
             across = self.factors[i] * max(seen) if seen else _INITIAL
+            if len(seen) < _SETTLED:
+                across = max(across, _INITIAL)
             out.append(min(max(low, across), _AUTO_CAP))
         self.thresholds = out
 

@@ -40,6 +40,7 @@ __all__ = ["ReplayCheck", "Measurement", "Outcome", "attribute", "plan_pairs", "
            "pipeline_loss", "noise_median"]
 
 _CALIBRATE_EVERY = 10  # audits between noise-floor recalibrations in tolerance="auto"
+_CONFIRM = 3.0  # tolerance mode: a persistent finding this far above its thresholds is named at once
 _NORM_SHARE = 1.0  # a parameter's norm change is measured against at least its part of the whole gradient's norm
 
 
@@ -111,8 +112,10 @@ class ReplayCheck:
         self._previous: tuple[int, list[MicroBatch]] = (-1, [])
         self.errors: list[int] = []
         self.error_text = ""
-        self.unconfirmed = 0  # tolerance mode: single comparisons over the threshold that nothing repeated
+        self.unconfirmed = 0  # tolerance mode: mismatches counted as noise (not repeated) or waiting for a repeat
         self.unconfirmed_text = ""
+        self._margins: dict[tuple[int, int], float] = {}  # mismatching (replayer, origin) -> delta / threshold
+        self._pending: tuple[frozenset[int], int] | None = None  # a narrow persistent finding waiting for a repeat
 
     @property
     def tolerance(self) -> float:
@@ -235,6 +238,7 @@ class ReplayCheck:
         alike on both sides counting as agreement); ``local_norms``: its per-parameter local-gradient norms (the
         tolerance sketch). Every rank calls it at the same step."""
         self.errors, self.error_text = [], ""
+        self._margins = {}
         micro = [m for m in self._micro if m.loss is not None and m.batch is not None]
         self._micro, self._capturing = [], False
         world = len(self._ranks)
@@ -277,6 +281,8 @@ class ReplayCheck:
                                      "it: counted as numerical noise, not a fault")
             return None, measured
         suspects, why = attribute(outcome, self._replica_of)
+        if self._unconfirmed(suspects, why, outcome):
+            return None, measured
         if why.get("fault") == "unfaithful":  # most ranks cannot reproduce themselves: replay is wrong, not hardware
             self.errors = list(self._ranks)
             self.error_text = ("replay could not reproduce the recorded step on most ranks (an unsupported pattern: "
@@ -435,7 +441,7 @@ class ReplayCheck:
         replayer_of_mine = self._pairs.replayer(self._pos, shift)
         theirs = self._exchange(mine, send_to=replayer_of_mine, recv_from=origin)
         if self._lockstep is not None and not self._recomputable(theirs):
-            row = torch.tensor([0, bits(math.nan), bits(math.nan), 1], dtype=torch.int64)
+            row = torch.tensor([0, bits(math.nan), bits(math.nan), 1, -1], dtype=torch.int64)
         else:
             row = self._compare(theirs, theirs["fp"] if theirs is not None else 0)
         measured = Measurement(self._ranks[origin], unbits(int(row[1])), unbits(int(row[2])), bool(row[0])) \
@@ -463,10 +469,34 @@ class ReplayCheck:
             o = self._pairs.origin(p, shift)
             if r[0] == 1:
                 edges.append((p, o))
+                self._margins[(p, o)] = unbits(r[4]) if r[4] >= 0 else math.inf
                 if len(self._last_deltas) < MAX_ITEMS:
                     self._last_deltas[f"{self._ranks[p]}->{self._ranks[o]}"] = {
                         "loss": json_float(unbits(r[1])), "grad": json_float(unbits(r[2]))}
         return edges, measured
+
+    def _unconfirmed(self, suspects: Sequence[int], why: dict[str, Any], outcome: Outcome) -> bool:
+        """Tolerance mode: a persistent finding whose comparisons exceed their thresholds by less than
+        ``_CONFIRM`` times waits for the same suspects at one of the next two audits (a persistent fault persists;
+        the tail of the numerics' noise does not repeat on the same rank). True: not a finding yet (counted, said).
+        Decided from gathered rows: the same on every rank."""
+        if self.mode != "tolerance" or why.get("fault") != "persistent" or why.get("ambiguous") or not suspects:
+            return False
+        named = frozenset(suspects)
+        margin = max((self._margins.get(e, math.inf) for e in outcome.edges if named & set(e)), default=math.inf)
+        pending, self._pending = self._pending, None
+        if margin >= _CONFIRM:
+            why["confirmed"] = f"above its thresholds by {margin:.2f}x" if math.isfinite(margin) else "not comparable"
+            return False
+        if pending is not None and pending[0] == named and self._audits - pending[1] <= 2:
+            why["confirmed"] = f"repeated at a second audit (by {margin:.2f}x here)"
+            return False
+        self._pending = (named, self._audits)
+        self.unconfirmed += 1
+        self.unconfirmed_text = (f"ranks {[self._ranks[p] for p in sorted(named)]} exceeded their thresholds by "
+                                 f"{margin:.2f}x (under {_CONFIRM:g}x): named only if repeated at one of the next two "
+                                 "audits")
+        return True
 
     def _recomputable(self, record: dict[str, Any] | None) -> bool:
         """FSDP2: every rank recomputes through the sharded model at once, so its all-gathers must line up: agree
@@ -481,7 +511,7 @@ class ReplayCheck:
 
     def _self_round(self, mine: dict[str, Any]) -> dict[int, bool]:
         if self._lockstep is not None and not self._recomputable(mine):
-            rows = gather_rows(torch.tensor([0, 0, 0, 1], dtype=torch.int64), self._group, self._wire)
+            rows = gather_rows(torch.tensor([0, 0, 0, 1, -1], dtype=torch.int64), self._group, self._wire)
             self._collect_errors(rows)
             return {}
         row = self._compare(mine, mine["fp"])
@@ -527,7 +557,7 @@ class ReplayCheck:
                 loss_delta, grad_delta = _alike_deltas(result, recorded_losses, ref)
                 limit = max(self.tolerance, AUTO_FLOOR)
                 mismatch = not (loss_delta <= limit and grad_delta <= limit)
-                return torch.tensor([int(mismatch), bits(loss_delta), bits(grad_delta), 0], dtype=torch.int64)
+                return torch.tensor([int(mismatch), bits(loss_delta), bits(grad_delta), 0, -1], dtype=torch.int64)
             got = result.norms.double().cpu()
             norm_delta = float(torch.linalg.vector_norm(got - ref) / max(float(torch.linalg.vector_norm(ref)), 1e-30))
             # Each parameter's norm relative to itself, and at least to its share of the whole gradient's norm (a
@@ -548,16 +578,20 @@ class ReplayCheck:
             if self.mode == "exact":
                 same_loss = all(_same_bits(a, b) for a, b in zip(result.losses, recorded_losses, strict=True))
                 mismatch = not (same_loss and result.fp == recorded_fp)
+                margin = math.inf if mismatch else 0.0
             else:
                 # Each quantity against its own threshold: a parameter whose gradient is noisy (its terms cancel)
-                # must not set the bar for the others.
+                # must not set the bar for the others. The margin: the largest delta in units of its threshold.
                 features = [max(loss_delta, norm_delta), *norm_deltas.tolist(), *per_param]
-                mismatch = any(not d <= t for d, t in zip(features, self.thresholds, strict=True) if not math.isnan(d))
+                margin = max((d / t if t > 0 else math.inf for d, t in zip(features, self.thresholds, strict=True)
+                              if not math.isnan(d)), default=0.0)
+                mismatch = margin > 1.0
                 self._features = features
-            return torch.tensor([int(mismatch), bits(loss_delta), bits(grad_delta), 0], dtype=torch.int64)
+            return torch.tensor([int(mismatch), bits(loss_delta), bits(grad_delta), 0, bits(margin)],
+                                dtype=torch.int64)
         except Exception as e:  # noqa: BLE001 - reported to every rank through the agreement
             self.error_text = f"{type(e).__name__}: {e}"
-            return torch.tensor([0, bits(math.nan), bits(math.nan), 1], dtype=torch.int64)
+            return torch.tensor([0, bits(math.nan), bits(math.nan), 1, -1], dtype=torch.int64)
 
     def _collect_errors(self, rows: Sequence[Sequence[int]]) -> None:
         self.errors += [self._ranks[p] for p, r in enumerate(rows) if r[3] and self._ranks[p] not in self.errors]

@@ -207,9 +207,13 @@ def test_tolerance_mode_under_gpu_noise_sees_single_element_flips_and_tolerates_
     ]
     healthy, sign, mantissa, early, small, small_deviating = zip(
         *spawn_ranks(run_scenarios, 3, (scenarios,), timeout=300), strict=True)
-    assert _verdicts(early[0])[0][:3] == (0, "replay", (1,)), early[0]["incidents"]
-    assert _verdicts(small[0])[0][:3] == (8, "replay", (1,)), small[0]["incidents"]
-    assert _verdicts(small_deviating[0])[0][:3] == (8, "replay", (2,)), small_deviating[0]["incidents"]
+    # Within 3x of its threshold a persistent finding waits for a repeat at the next audit (named one step later
+    # here: an audit every step), which the tail of the numerics' noise does not give.
+    for case, step, rank in ((early, 0, 1), (small, 8, 1), (small_deviating, 8, 2)):
+        first = case[0]["incidents"][0]
+        assert (first["check"], first["suspect_ranks"]) == ("replay", [rank]), first
+        assert step <= first["step"] <= step + 1 and not first["evidence"].get("ambiguous"), first
+        assert first["evidence"]["confirmed"].startswith("repeated" if first["step"] > step else "above"), first
     for r in healthy:
         assert not r["incidents"] and not r["errors"], r["incidents"][:2]
         assert r["counts"]["replay"] == {"pass": 120} and r["mode"] == "tolerance"

@@ -194,7 +194,7 @@ def test_noise_median_from_summed_histograms() -> None:
 
 
 def test_calibration_sets_one_threshold_per_compared_quantity() -> None:
-    """Thresholds per quantity (loss and norms, then each parameter's sketch): before any cross-rank audit 1e-3 (room
+    """Thresholds per quantity (loss and norms, then each parameter's sketch): until 3 cross-rank audits 1e-3 (room
     for a rank whose kernels are 1e-5 off, about 1e-4 in the sketches); then CROSS_FACTOR above each quantity's
     largest healthy delta over a window of audits, so a parameter whose gradient cancels (noisy sketches) does not
     set the bar for the others; a quantity without data keeps its own; the rerun floor and the cap bound them all."""
@@ -206,8 +206,11 @@ def test_calibration_sets_one_threshold_per_compared_quantity() -> None:
     assert cal.rerun(_histogram(0.0)) and cal.thresholds == [1e-3] * 3  # exact reruns say nothing about other ranks
     assert not cal.across(None) and not cal.across(math.nan) and not cal.across([math.nan, -1.0, None])
     assert cal.across([2.9e-5, 1.8e-4, None])
+    assert cal.thresholds == [1e-3] * 3  # one audit is too few to know how far a deviating rank moves a quantity
+    assert cal.across([1e-7, 2e-5, 1e-6]) and cal.thresholds == [1e-3] * 3
+    assert cal.across([1e-7, 2e-5, 1e-6])  # settled: the window's maximum per quantity, each on its own
     assert cal.thresholds == pytest.approx([CROSS_FACTOR * 2.9e-5, CROSS_FACTOR * 1.8e-4, 1e-3])
-    assert cal.across([1e-7, 2e-5, 1e-6])  # the window's maximum per quantity
+    assert cal.across([1e-7, 2e-5, 1e-6])
     assert cal.thresholds == pytest.approx([CROSS_FACTOR * 2.9e-5, CROSS_FACTOR * 1.8e-4, AUTO_FLOOR])
     for _ in range(10):
         cal.across([2e-5, 2e-5, 2e-5])
@@ -216,11 +219,13 @@ def test_calibration_sets_one_threshold_per_compared_quantity() -> None:
     with pytest.raises(ValueError, match="3 quantities got 2"):
         cal.across([1e-5, 1e-5])
     exact = Calibration(2)
-    exact.across(0.0)
+    for _ in range(3):
+        exact.across(0.0)
     assert exact.thresholds == [AUTO_FLOOR, AUTO_FLOOR]  # bitwise-equal ranks: the floor
     noisy = Calibration(2)
     noisy.rerun(_histogram(0.5))
-    noisy.across([1e-5, 1e-5])
+    for _ in range(3):
+        noisy.across([1e-5, 1e-5])
     assert noisy.thresholds == [0.05, 0.05]  # the cap
 
 
