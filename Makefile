@@ -37,6 +37,9 @@ bench: setup
 	$(PY) benchmarks/nd.py
 	$(PY) benchmarks/nd.py --campaign
 	$(PY) benchmarks/campaign.py
+	$(PY) benchmarks/campaign.py --mode tolerance --kernel-deviation --sweep --trials 60 --healthy 240
+	$(PY) benchmarks/campaign.py --mode tolerance --kernel-deviation --sweep --trials 60 --healthy 240 --precision bf16
+	$(PY) benchmarks/launches.py
 	$(PY) benchmarks/prometheus_scale.py
 
 dashboards: setup

@@ -116,7 +116,7 @@ def _count(schedule: str, model: dict[str, int]) -> dict[str, Any]:
     return {"tensors": tensors, "unmonitored": sum(counts["unmonitored"].values()),
             "monitored": sum(counts["monitored"].values()),
             "added": sum(counts["monitored"].values()) - sum(counts["unmonitored"].values()),
-            "by_operation": dict(added.most_common()), "incidents": incidents, "results": checked}
+            "by_operation": {k: v for k, v in added.most_common() if v}, "incidents": incidents, "results": checked}
 
 
 def _step(ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer, monitor: sdc.SDCMonitor | None,

@@ -1,5 +1,6 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
 """The Triton kernel of ``core/fingerprint_kernel.py`` (imported only where Triton is; Triton resolves a kernel's
-helpers among its module's globals)."""
+helpers among its module's globals, and its arguments carry Triton's annotations, not Python types)."""
 
 import triton
 import triton.language as tl
@@ -7,7 +8,7 @@ import triton.language as tl
 __all__ = ["fingerprint_tiles"]
 
 
-@triton.jit  # type: ignore[misc]
+@triton.jit
 def _word(base, bytes_at, idx, full, nbytes, mask):
     """Words ``idx`` of a tensor of ``nbytes`` bytes (0 where not ``mask``): whole words read as int64, the last
     partial word (odd byte counts) assembled from its bytes, the missing ones zero, as the definition pads."""
@@ -18,7 +19,7 @@ def _word(base, bytes_at, idx, full, nbytes, mask):
     return tl.where(mask & (idx == full), partial, x)
 
 
-@triton.jit  # type: ignore[misc]
+@triton.jit
 def fingerprint_tiles(info, work, h, out, K: tl.constexpr, B: tl.constexpr, BC: tl.constexpr,
                        RB: tl.constexpr, NCOL: tl.constexpr, GOLDEN: tl.constexpr, M1: tl.constexpr,
                        LOW32: tl.constexpr, LOW31: tl.constexpr):

@@ -186,6 +186,42 @@ def test_campaign_tolerance_mode_runs_under_emulated_gpu_numerics(bench, tmp_pat
         campaign.run(trials=1, mode="exact", kernel_deviation=True, quiet=True, out_dir=tmp_path)
 
 
+def test_campaign_sweep_quick_scores_every_magnitude_in_bf16(bench, tmp_path, capsys):
+    """campaign.py --sweep --quick (tolerance mode, bf16 autocast): one persistent compute fault of each magnitude
+    and one healthy run, after calibrating audits, scored per magnitude with the false-incident line; --sweep needs
+    --mode tolerance."""
+    campaign = bench("campaign")
+    campaign.main(["--mode", "tolerance", "--kernel-deviation", "--sweep", "--quick", "--precision", "bf16",
+                   "--out-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "Persistent compute faults" in out and "bf16 autocast" in out and "false incidents:" in out
+    data = _result(tmp_path, "campaign_sweep_bf16")
+    assert data["errors"] == [] and data["precision"] == "bf16" and data["kernel_deviation"] == 1e-5
+    assert list(data["magnitudes"]) == [f"{m:g}" for m in campaign.SWEEP_MAGNITUDES]
+    assert all(r["trials"] == 1 and r["named_right"] + r["ambiguous"] + r["wrong"] + r["missed"] == 1
+               for r in data["magnitudes"].values())
+    assert data["healthy_rank_steps"] > 0 and {t["precision"] for t in data["plan"]} == {"bf16"}
+    with pytest.raises(SystemExit):
+        campaign.main(["--sweep", "--quick", "--out-dir", str(tmp_path)])
+
+
+def test_launches_quick_counts_both_schedules(bench, tmp_path, capsys):
+    """launches.py --quick counts one healthy step's operations on the GPU schedule (the Triton fingerprint kernel
+    through its interpreter) and the CPU schedule, with every check of the counted step passing."""
+    pytest.importorskip("triton", reason="Triton is installed with the torchtitan extra (make setup)")
+    data = bench("launches").run(model=bench("launches").QUICK_MODEL, out_dir=tmp_path)
+    out = capsys.readouterr().out
+    assert "Device operations of one healthy DDP step" in out and out.count("target:") == 1
+    written = _result(tmp_path, "launches")
+    for schedule in ("gpu", "cpu"):
+        r = written[schedule]
+        assert r["incidents"] == 0 and r["results"] == {"grad_local": "pass", "grad_reduced": "pass",
+                                                        "weights": "pass"}, r
+        assert r["added"] == r["monitored"] - r["unmonitored"] and r["tensors"] == data[schedule]["tensors"] > 0
+    assert written["gpu"]["by_operation"].get("triton kernel", 0) >= 2  # the vote's and the at-rest fingerprints
+    assert "triton kernel" not in written["cpu"]["by_operation"]
+
+
 def test_campaign_hsdp_quick_scores_every_hsdp_kind(bench, tmp_path, capsys):
     """campaign.py --layout hsdp --quick runs one trial of each HSDP kind on a (3, 2) fully_shard mesh of 6 ranks
     without harness errors, scores them in the DDP tables and names the DDP-only kinds it skips."""
