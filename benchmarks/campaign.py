@@ -5,6 +5,8 @@
     python benchmarks/campaign.py --quick         # one trial of each kind (the smoke test)
     python benchmarks/campaign.py --mode tolerance --kernel-deviation --trials 150   # emulated GPU numerics
     python benchmarks/campaign.py --layout hsdp --trials 70   # HSDP: 6 ranks, (3 replicas x 2 shards)
+    python benchmarks/campaign.py --mode tolerance --kernel-deviation --sweep --trials 60 --healthy 240   # sensitivity
+    python benchmarks/campaign.py --mode tolerance --kernel-deviation --sweep --precision bf16           # ... in bf16
 
 Each trial trains a small model (a tiny GPT or an MLP, both with dropout) for ``steps`` steps on 3 ranks with
 ``SDCConfig(weights_every=1, replay_every=3, on_suspect="record", trigger_audits=True)`` and, unless it is a healthy
@@ -33,6 +35,14 @@ Modes (``--mode``): ``exact`` (``SDCConfig(mode="exact")``, bit-for-bit replay) 
 ``sdc_telemetry.testing.emulate_gpu_numerics`` on every rank: a fresh 1e-6 relative perturbation of every
 parameter-holding module's output on every forward call (run-to-run noise), and with ``--kernel-deviation`` a fixed
 1e-5 relative deviation on one rank per trial (its kernels differ from the others', as autotuning does).
+
+Tolerance mode's sensitivity (``--sweep``, with ``--mode tolerance``): persistent compute faults (an output of a
+module scaled by 1 + r from a step on, on one rank) at fixed magnitudes r = 1e-3, 3e-4, 1e-4 and 1e-5 (``--trials``
+each) and ``--healthy`` healthy runs, each after ``--calibration-audits`` healthy audits (6: a long job has a
+calibrated threshold when a fault starts), with a rank's kernels deviating (``--kernel-deviation``); scored as the
+share named on the right rank alone by the first incident at or after the fault (target 95% for 1e-3 to 1e-4;
+1e-5 reported), and false incidents in healthy runs and before each fault (target 0 in at least 20,000 healthy
+rank-steps). ``--precision bf16`` runs the forward passes under CPU autocast (here and in the whole campaign).
 
 Outcome classes are decided from ground truth measured beside the monitor (never from the monitor's verdict):
 - weight bit flip: ``to non-finite`` when the flipped value is NaN or Inf; ``absorbed by the update`` when, after the
@@ -117,6 +127,7 @@ HSDP_SKIPPED = {
 LAYOUTS = ("ddp", "hsdp")
 MODES = ("exact", "tolerance")
 VERDICTS = ("immediate", "deferred")
+PRECISIONS = ("fp32", "bf16")  # --precision bf16: forward passes under torch.autocast("cpu", dtype=torch.bfloat16)
 NOISE = 1e-6  # tolerance mode: run-to-run noise on every rank (relative, fresh per forward call)
 KERNEL_DEVIATION = 1e-5  # --kernel-deviation: one rank's fixed relative deviation (another kernel)
 TINY_GPT: dict[str, Any] = {"vocab": 64, "dim": 32, "layers": 2, "heads": 2, "seq": 16, "dropout": 0.1}
@@ -736,7 +747,7 @@ def poisson_upper(k: int, exposure: float, confidence: float = 0.95) -> float:
 def run(trials: int = 240, seed: int = 0, world: int | None = None, steps: int = 10, replay_every: int = 3,
         per_spawn: int = 30, timeout: float = 300.0, out_dir: str | Path | None = None, quiet: bool = False,
         layout: str = "ddp", mode: str = "exact", kernel_deviation: bool = False, trigger_steps: int = 16,
-        cost_steps: int = 160, verdicts: str = "immediate") -> dict[str, Any]:
+        cost_steps: int = 160, verdicts: str = "immediate", precision: str = "fp32") -> dict[str, Any]:
     """Run the campaign, print the tables, write ``campaign.json`` (``campaign_tolerance.json`` in tolerance mode,
     ``campaign_hsdp[_tolerance].json`` for HSDP); return the payload. ``world`` defaults to 3 ranks for DDP and 6
     (3 replicas x 2 shards) for HSDP. ``cost_steps``: healthy steps timed with triggers on and off (each; 0: not
@@ -753,7 +764,11 @@ def run(trials: int = 240, seed: int = 0, world: int | None = None, steps: int =
     if (warn := load_warning()) is not None:
         say(warn)
     t0 = time.perf_counter()
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     planned = plan(trials, seed, world, steps, layout, replay_every=replay_every, trigger_steps=trigger_steps)
+    for t in planned:
+        t["precision"] = precision
     results: dict[int, dict[str, Any]] = {}
     for start in range(0, len(planned), per_spawn):
         chunk = planned[start:start + per_spawn]
@@ -787,7 +802,8 @@ def run(trials: int = 240, seed: int = 0, world: int | None = None, steps: int =
     s["trigger_cost"] = cost
     label = f"{mode} mode" + (f", one rank's kernels deviating by {KERNEL_DEVIATION:g}" if kernel_deviation else "") \
         + (f", emulated noise {NOISE:g} on every rank" if mode == "tolerance" else "") \
-        + (", verdicts read one step later (deferred)" if verdicts == "deferred" else "")
+        + (", verdicts read one step later (deferred)" if verdicts == "deferred" else "") \
+        + (", bf16 autocast" if precision == "bf16" else "")
 
     rows = []
     for r in s["rows"]:
@@ -865,6 +881,7 @@ def run(trials: int = 240, seed: int = 0, world: int | None = None, steps: int =
     if s["errors"]:
         say(f"{len(s['errors'])} trials failed to run: {s['errors'][:3]}")
     payload = {"trials": trials, "seed": seed, "world": world, "steps": steps, "trigger_steps": trigger_steps,
+               "precision": precision,
                "replay_every": replay_every, "mode": mode, "verdicts": verdicts,
                "kernel_deviation": KERNEL_DEVIATION if kernel_deviation else 0.0,
                "noise": NOISE if mode == "tolerance" else 0.0, "layout": layout,
@@ -873,7 +890,7 @@ def run(trials: int = 240, seed: int = 0, world: int | None = None, steps: int =
     if layout == "hsdp":
         payload.update(mesh=[world // HSDP_MESH[1], HSDP_MESH[1]], skipped=HSDP_SKIPPED)
     name = "campaign" + ("_hsdp" if layout == "hsdp" else "") + ("_tolerance" if mode == "tolerance" else "") \
-        + ("_deferred" if verdicts == "deferred" else "")
+        + ("_deferred" if verdicts == "deferred" else "") + ("_bf16" if precision == "bf16" else "")
     path = write_json(name, payload, out_dir)
     say(f"wrote {path} ({wall:.0f} s)")
     return payload
@@ -883,7 +900,6 @@ def run(trials: int = 240, seed: int = 0, world: int | None = None, steps: int =
 
 SWEEP_MAGNITUDES = (1e-3, 3e-4, 1e-4, 1e-5)  # relative size of a persistent compute fault (1e-5 is reported only)
 SWEEP_TARGET = 0.95  # named on the right rank alone in at least this share of the trials of 1e-3, 3e-4 and 1e-4
-PRECISIONS = ("fp32", "bf16")
 
 
 def plan_sweep(per_magnitude: int, healthy: int, seed: int, world: int, steps: int, replay_every: int,
@@ -1058,7 +1074,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if a.kernel_deviation and a.mode != "tolerance":
         p.error("--kernel-deviation needs --mode tolerance")
     common = {"seed": a.seed, "out_dir": a.out_dir, "layout": a.layout, "mode": a.mode,
-              "kernel_deviation": a.kernel_deviation, "verdicts": a.verdicts}
+              "kernel_deviation": a.kernel_deviation, "verdicts": a.verdicts, "precision": a.precision}
     if a.quick:
         n = len(kinds_of(a.layout))
         run(trials=n, steps=5, replay_every=2, per_spawn=n, trigger_steps=12, cost_steps=8, **common)
