@@ -158,7 +158,7 @@ class SDCMonitor:
         # referee two replicas (checks/at_rest.py).
         self._at_rest = AtRestCheck([n for n, _ in every], [p for _, p in every], optimizer, layout.local) \
             if self.config.weights_every else None
-        self._update = self._plan_update_audit(optimizer, every)
+        self._update = self._plan_update_audit(optimizer, every, classes)
         reason = layout.weights_off_reason()
         if replicas and reason and self.config.weights_every and self._writer:
             log.warning("sdc_telemetry: %s; the at-rest check still compares each rank's own shards between the "
@@ -767,8 +767,8 @@ class SDCMonitor:
             self._update.pending = None
             self._internal_error("update", "copying the audited slice before the update failed")
 
-    def _plan_update_audit(self, optimizer: torch.optim.Optimizer,
-                           every: list[tuple[str, torch.nn.Parameter]]) -> UpdateAudit | None:
+    def _plan_update_audit(self, optimizer: torch.optim.Optimizer, every: list[tuple[str, torch.nn.Parameter]],
+                           classes: list[int] | None) -> UpdateAudit | None:
         """The update audit, where it is asked for (``update_every``) or useful (``"auto"``: the vote cannot name
         a rank) and the optimizer's step can be recomputed."""
         n = self.config.update_every
@@ -787,7 +787,11 @@ class SDCMonitor:
         if not n:
             return None
         hosts = [self.identities[r].host_name if r in self.identities else str(r) for r in self._ranks]
-        pairing = plan_pairs(hosts)
+        # Partners within a numerics class where every class has two ranks or more (an update recomputed on
+        # another GPU model may round differently); else across classes.
+        pairing = plan_pairs(hosts, classes)
+        if pairing.alone:
+            pairing = plan_pairs(hosts)
         self._update_origin_of = [pairing.origin(q, pairing.shifts[0]) for q in range(len(self._ranks))]
         self._update_wire = collective_device(layout.group, self.device)
         largest = max(p.numel() * p.element_size() for _, p in every)
