@@ -91,6 +91,8 @@ def _table(spans: Sequence[tuple[int, int]], device: torch.device, k: int, b: in
     start = torch.repeat_interleave(torch.cumsum(per, 0) - per, per)
     work = torch.stack([tensor, torch.arange(total, dtype=torch.int64) - start], dim=1).contiguous()
     found = (torch.tensor(info, dtype=torch.int64).to(device), work.to(device), total)
+    if device.type == "cuda":  # once per table: later launches may run on other streams (DDP's reduction callbacks)
+        torch.cuda.synchronize(device)
     with _lock:
         _tables[key] = found
         while len(_tables) > _CACHE:
