@@ -39,7 +39,7 @@ _ENV = "SDC_FINGERPRINT_KERNEL"
 LAUNCH = "sdc_telemetry.fingerprint_kernel"  # the profiler's name of a launch
 
 _lock = threading.Lock()
-_tables: OrderedDict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, int]] = OrderedDict()
+_tables: OrderedDict[tuple[Any, ...], tuple[Any, ...]] = OrderedDict()
 _kernel: Any = None
 _import_error: str | None = None
 launches = [0]  # kernel launches so far (the launch-count benchmark reads it: a profiler does not see Triton's)
@@ -67,10 +67,10 @@ def _compiled() -> Any:
     return _kernel
 
 
-def _table(spans: Sequence[tuple[int, int]], device: torch.device, k: int, b: int) -> tuple[torch.Tensor,
-                                                                                             torch.Tensor, int]:
-    """(per-tensor info [address, bytes, rows, blocks], per-program [tensor, tile], programs) for tensors given as
-    (address, bytes), cached per set of them."""
+def _table(spans: Sequence[tuple[int, int]], device: torch.device, k: int, b: int) -> tuple[Any, ...]:
+    """(per-tensor info [address, bytes, rows, blocks], per-program [tensor, tile], programs, the CUDA event after
+    which they are on the device or None, what must stay referenced) for tensors given as (address, bytes), cached
+    per set of them."""
     key = (device, k, b, *spans)
     with _lock:
         found = _tables.get(key)
@@ -90,9 +90,17 @@ def _table(spans: Sequence[tuple[int, int]], device: torch.device, k: int, b: in
     tensor = torch.repeat_interleave(torch.arange(len(spans), dtype=torch.int64), per)
     start = torch.repeat_interleave(torch.cumsum(per, 0) - per, per)
     work = torch.stack([tensor, torch.arange(total, dtype=torch.int64) - start], dim=1).contiguous()
-    found = (torch.tensor(info, dtype=torch.int64).to(device), work.to(device), total)
-    if device.type == "cuda":  # once per table: later launches may run on other streams (DDP's reduction callbacks)
-        torch.cuda.synchronize(device)
+    host = torch.tensor(info, dtype=torch.int64)
+    if device.type == "cuda":
+        # No host wait, even once: pinned copies on this stream, and an event that a launch on another stream (DDP's
+        # reduction callbacks) waits for on the device. The pinned tensors stay referenced with the table.
+        host, work = host.pin_memory(), work.pin_memory()
+        on_device = (host.to(device, non_blocking=True), work.to(device, non_blocking=True))
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record()
+        found = (*on_device, total, ready, (host, work))
+    else:
+        found = (host, work, total, None, ())
     with _lock:
         _tables[key] = found
         while len(_tables) > _CACHE:
@@ -117,7 +125,9 @@ def fingerprint_many(tensors: Sequence[torch.Tensor], weights: torch.Tensor, k: 
         raise RuntimeError(f"Triton is not available: {_import_error}")
     device = tensors[0].device
     out = torch.zeros(len(tensors), dtype=torch.int64, device=device)
-    info, work, total = _table([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors], device, k, b)
+    info, work, total, ready, _ = _table([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors], device, k, b)
+    if ready is not None:
+        torch.cuda.current_stream(device).wait_event(ready)
     if total:
         # Named for the profiler: one launch (Triton's interpreter, on CPU tensors, runs tensor copies in it)
         with torch.profiler.record_function(LAUNCH):
