@@ -42,7 +42,10 @@ each) and ``--healthy`` healthy runs, each after ``--calibration-audits`` health
 calibrated threshold when a fault starts), with a rank's kernels deviating (``--kernel-deviation``); scored as the
 share named on the right rank alone by the first incident at or after the fault (target 95% for 1e-3 to 1e-4;
 1e-5 reported), and false incidents in healthy runs and before each fault (target 0 in at least 20,000 healthy
-rank-steps). ``--precision bf16`` runs the forward passes under CPU autocast (here and in the whole campaign).
+rank-steps). ``--precision bf16`` runs the forward passes under CPU autocast (here and in the whole campaign); the
+emulated noise, the deviating kernels and the compute faults then round their bf16 outputs stochastically (as a
+difference inside a float32 accumulation does; to nearest, a change below half a bf16 unit in the last place,
+2e-3 to 4e-3, would give the same bits back: no fault and no noise at all).
 
 Outcome classes are decided from ground truth measured beside the monitor (never from the monitor's verdict):
 - weight bit flip: ``to non-finite`` when the flipped value is NaN or Inf; ``absorbed by the update`` when, after the
@@ -322,7 +325,8 @@ def _numerics(module: nn.Module, t: dict[str, Any], rank: int, mode: str, kernel
     if mode != "tolerance":
         return None
     bias = KERNEL_DEVIATION if kernel_deviation and rank == t.get("kernel_rank") else 0.0
-    return emulate_gpu_numerics(module, noise=NOISE, bias=bias, seed=t["seed"] * 64 + rank + 1)
+    return emulate_gpu_numerics(module, noise=NOISE, bias=bias, seed=t["seed"] * 64 + rank + 1,
+                                dither=t.get("precision") == "bf16")
 
 
 def _trial(t: dict[str, Any], steps: int, replay_every: int, mesh: Any = None, mode: str = "exact",
@@ -360,7 +364,7 @@ def _trial(t: dict[str, Any], steps: int, replay_every: int, mesh: Any = None, m
         inj.corrupt_reduced_grad(rank=t["rank"], step=t["step"], index=t["index"], value=float(t["value"]))
     elif kind in ("compute_persistent", "compute_transient", *TRANSIENT_KINDS):
         inj.perturb_output(rank=t["rank"], step=t["step"], module=t["module"], relative=t["relative"],
-                           transient=kind != "compute_persistent")
+                           transient=kind != "compute_persistent", dither=t.get("precision") == "bf16")
     weighted = kind == HEAVY
     fn = loss_fn(t["model"], weighted)
     ddp_only: dict[str, Any] = {"comm_hook": inj.comm_hook, "comm_state": None} if mesh is None else {}

@@ -20,6 +20,8 @@ What each fault does and when:
 - ``perturb_output``: from step ``step`` on (``steps=None``) or for ``steps`` steps, multiply ``module``'s output by
   ``1 + relative`` on ``rank`` — a compute fault, so it also hits any recomputation on that rank. With
   ``transient=True`` only the first forward call of step ``step`` is hit (a fault that a rerun does not reproduce).
+  With ``dither=True`` 16-bit outputs are rounded stochastically (``scaled``): a fault inside a float32 accumulation,
+  before the output is rounded, so that one below half a unit in the last place still moves some elements.
 - ``corrupt_reduced_grad``: after the all-reduce of step ``step``, overwrite element ``index`` of the first bucket on
   ``rank`` with ``value`` (default NaN): corruption on the communication path. Needs ``comm_hook`` passed to
   the monitor (or registered on the DDP model when no monitor runs).
@@ -196,9 +198,11 @@ class FaultInjector:
         self._handles.append(target.register_hook(hook))  # type: ignore[no-untyped-call]
 
     def perturb_output(self, *, rank: int, step: int, module: str, relative: float = 1e-3,
-                       steps: int | None = None, transient: bool = False) -> None:
+                       steps: int | None = None, transient: bool = False, dither: bool = False) -> None:
         target = self._submodule(module)
         calls_at_step = 0
+        # dither: 16-bit outputs rounded stochastically (``scaled``), from a private generator (never the global RNG)
+        gen = torch.Generator().manual_seed(0x5DC + rank) if dither else None
 
         def hook(_m: torch.nn.Module, _inp: Any, out: Any) -> Any:
             nonlocal calls_at_step
@@ -209,7 +213,9 @@ class FaultInjector:
                     return out
                 calls_at_step += 1
             self.fired.append(f"output of {module} scaled by {1 + relative} at step {self.step}")
-            return _map_tensors(out, lambda t: t * (1 + relative))
+            if gen is None:
+                return _map_tensors(out, lambda t: t * (1 + relative))
+            return _map_tensors(out, lambda t: scaled(t, 1 + relative, _on(gen, t.device)))
 
         self._handles.append(target.register_forward_hook(hook))
 
@@ -322,6 +328,33 @@ FaultInjector.comm_hook.__annotations__ = {}
 def _local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None else t  # type: ignore[no-any-return]
+
+
+def scaled(t: torch.Tensor, factor: torch.Tensor | float, dither: torch.Generator | None = None) -> torch.Tensor:
+    """``t * factor`` computed in float32 (float64 for float64) and rounded back to ``t``'s dtype: to nearest, or with
+    ``dither`` (a generator) stochastically for 16-bit floats, as if the change happened inside a higher-precision
+    accumulation before the output was rounded: an element moves to the neighbouring value with probability its
+    distance over the gap, so a change below half a unit in the last place still moves some elements (the expected
+    change is the exact one), where rounding to nearest would give the same bits back. Non-float tensors pass."""
+    if not t.is_floating_point():
+        return t
+    wide = torch.float64 if t.dtype == torch.float64 else torch.float32
+    exact = t.to(wide) * factor
+    nearest = exact.to(t.dtype)
+    if dither is None or t.dtype not in (torch.bfloat16, torch.float16):
+        return nearest
+    back = nearest.to(wide)
+    toward = torch.where(exact > back, torch.full_like(nearest, math.inf), torch.full_like(nearest, -math.inf))
+    other = torch.nextafter(nearest, toward)
+    gap = (other.to(wide) - back).abs()
+    chance = torch.where(gap > 0, (exact - back).abs() / gap, torch.zeros_like(gap))
+    draw = torch.rand(t.shape, generator=dither, device=t.device, dtype=wide)
+    return torch.where(draw < chance, other, nearest)
+
+
+def _on(gen: torch.Generator, device: torch.device) -> torch.Generator | None:
+    """``gen`` where it can draw for ``device`` (a CPU generator for CPU tensors; else no dithering)."""
+    return gen if gen.device.type == device.type else None
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

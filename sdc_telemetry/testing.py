@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from sdc_telemetry.faults import scaled
+
 __all__ = ["spawn_ranks", "RankFailed", "FAILURE_GRACE_S", "emulate_gpu_numerics", "GPUNumerics"]
 
 FAILURE_GRACE_S = 5.0  # after a first failure, how long the other ranks may still report before they are killed
@@ -192,8 +194,8 @@ class GPUNumerics:
     """The forward hooks of ``emulate_gpu_numerics`` on one model. ``remove()`` (or leaving a ``with`` block) takes
     them off; outputs are then exact again."""
 
-    def __init__(self, noise: float, bias: float, seed: int, names: list[str]) -> None:
-        self.noise, self.bias, self.seed = noise, bias, seed
+    def __init__(self, noise: float, bias: float, seed: int, names: list[str], dither: bool = False) -> None:
+        self.noise, self.bias, self.seed, self.dither = noise, bias, seed, dither
         self.modules = names          # the hooked submodules, by name ("" is the root)
         self.calls = 0                # forward calls perturbed so far
         self._handles: list[Any] = []
@@ -226,17 +228,20 @@ class GPUNumerics:
             return out
         dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
         factor = torch.ones(out.shape, device=out.device, dtype=dtype)
+        # The same pattern on every call (a generator re-seeded per call): deterministic on this rank.
+        fixed = torch.Generator(device=out.device).manual_seed((self.seed * 1_000_003 + index) % 2**63)
         if self.bias:
-            # The same pattern on every call (a generator re-seeded per call): deterministic on this rank.
-            fixed = torch.Generator(device=out.device).manual_seed((self.seed * 1_000_003 + index) % 2**63)
             factor.add_(self._uniform(out, fixed), alpha=self.bias)
+        gen = None
         if self.noise:
             gen = self._noise_gens.get(out.device)
             if gen is None:
                 gen = self._noise_gens[out.device] = torch.Generator(device=out.device).manual_seed(
                     (self.seed * 7_919 + 1) % 2**63)
             factor.add_(self._uniform(out, gen), alpha=self.noise)
-        return (out.to(dtype) * factor).to(out.dtype)
+        if not self.dither:
+            return (out.to(dtype) * factor).to(out.dtype)
+        return scaled(out, factor, gen if gen is not None else fixed)
 
     def _hook(self, index: int) -> Callable[[torch.nn.Module, Any, Any], Any]:
         def hook(_m: torch.nn.Module, _inp: Any, out: Any) -> Any:
@@ -247,7 +252,7 @@ class GPUNumerics:
 
 
 def emulate_gpu_numerics(module: torch.nn.Module, *, noise: float = 1e-6, bias: float = 0.0, seed: int | None = None,
-                         modules: Iterable[str] | None = None) -> GPUNumerics:
+                         modules: Iterable[str] | None = None, dither: bool = False) -> GPUNumerics:
     """Make a CPU model's arithmetic look like a GPU's: run-to-run noise and per-rank kernel differences.
 
     Forward hooks on the chosen submodules (``modules``: names as in ``named_modules()``, ``""`` for the root;
@@ -264,9 +269,12 @@ def emulate_gpu_numerics(module: torch.nn.Module, *, noise: float = 1e-6, bias: 
 
     Only module outputs change (gradients follow from them through autograd): parameters, buffers, gradients
     already accumulated and the monitor's fingerprints of them are never touched. Low-precision outputs absorb
-    what their precision cannot hold (1e-6 rounds away in bf16). ``seed`` (default: derived from the rank) makes
-    the noise reproducible across runs; give every rank a different one. A DDP or other wrapper with ``.module``
-    is unwrapped. Returns a ``GPUNumerics`` handle; ``remove()`` restores exact outputs.
+    what their precision cannot hold (1e-6 rounds away in bf16), unless ``dither``: then 16-bit outputs are rounded
+    stochastically, as when the difference arises inside a kernel's float32 accumulation before the result is
+    rounded (``sdc_telemetry.faults.scaled``): some elements move by one unit in the last place. ``seed``
+    (default: derived from the rank) makes the noise reproducible across runs; give every rank a different one. A
+    DDP or other wrapper with ``.module`` is unwrapped. Returns a ``GPUNumerics`` handle; ``remove()`` restores exact
+    outputs.
 
     >>> handle = emulate_gpu_numerics(ddp_model, noise=1e-6,                              # doctest: +SKIP
     ...                               bias=1e-5 if dist.get_rank() == 2 else 0.0)        # one rank autotunes
@@ -296,7 +304,7 @@ def emulate_gpu_numerics(module: torch.nn.Module, *, noise: float = 1e-6, bias: 
     if not names:
         raise ValueError("no submodule to perturb: the model has no submodule with parameters of its own; name "
                          "some with modules=")
-    handle = GPUNumerics(float(noise), float(bias), seed, names)
+    handle = GPUNumerics(float(noise), float(bias), seed, names, dither=bool(dither))
     handle._handles = [named[n].register_forward_hook(handle._hook(i)) for i, n in enumerate(names)]
     return handle
 
