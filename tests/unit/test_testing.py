@@ -158,6 +158,33 @@ def test_a_kernel_deviation_is_self_consistent_and_differs_from_the_others() -> 
         assert 1e-6 < _rel(other(x).detach(), again) < 1e-4
 
 
+def test_dithered_bf16_outputs_keep_changes_below_half_a_unit_in_the_last_place() -> None:
+    """bf16: a change of 1e-3 relative (under half a unit in the last place, 2e-3 to 4e-3) rounds back to the same
+    bits to nearest; dithered, some elements move by one unit and the mean change is the exact one (a difference
+    inside a float32 accumulation before rounding). A factor of 1 never changes a bit; float32 is rounded to nearest
+    either way. emulate_gpu_numerics(dither=True): a deviating kernel then changes bf16 outputs, deterministically."""
+    from sdc_telemetry.faults import scaled
+
+    x = torch.randn(200_000, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert torch.equal(scaled(x, 1 + 1e-3), x)
+    moved = scaled(x, 1 + 1e-3, torch.Generator().manual_seed(2))
+    changed = moved != x
+    assert 0.05 < float(changed.float().mean()) < 0.5
+    steps = (moved.float() - x.float()).abs()[changed] / x.float().abs()[changed]
+    assert float(steps.max()) <= 2 ** -7 + 1e-9  # one unit in the last place at most
+    assert abs(float(((moved.float() - x.float()) / x.float()).mean()) - 1e-3) < 1e-4
+    assert torch.equal(scaled(x, 1.0, torch.Generator().manual_seed(3)), x)
+    y = torch.randn(1000)
+    assert torch.equal(scaled(y, 1.5, torch.Generator()), y * 1.5)
+    net, inp = _net().bfloat16(), torch.randn(64, 16).bfloat16()
+    clean = net(inp).detach()
+    with emulate_gpu_numerics(net, noise=0.0, bias=1e-5, seed=7):
+        assert torch.equal(net(inp).detach(), clean)  # 1e-5 rounds away to nearest
+    with emulate_gpu_numerics(net, noise=0.0, bias=1e-5, seed=7, dither=True):
+        a, b = net(inp).detach(), net(inp).detach()
+    assert not torch.equal(a, clean) and torch.equal(a, b)  # the deviating kernel shows, and stays the same
+
+
 def test_removal_restores_exact_outputs_and_parameters_are_never_touched() -> None:
     """After remove() outputs are bitwise the unperturbed ones again; perturbed forward passes leave the
     parameters (what the monitor fingerprints) bitwise unchanged; a wrapper with .module is unwrapped."""
