@@ -115,6 +115,7 @@ class ReplayCheck:
         self.unconfirmed = 0  # tolerance mode: mismatches counted as noise (not repeated) or waiting for a repeat
         self.unconfirmed_text = ""
         self._margins: dict[tuple[int, int], float] = {}  # mismatching (replayer, origin) -> delta / threshold
+        self._rerun_margins: dict[int, float] = {}  # positions that did not reproduce themselves -> delta / threshold
         self._pending: tuple[frozenset[int], int] | None = None  # a narrow persistent finding waiting for a repeat
 
     @property
@@ -238,7 +239,7 @@ class ReplayCheck:
         alike on both sides counting as agreement); ``local_norms``: its per-parameter local-gradient norms (the
         tolerance sketch). Every rank calls it at the same step."""
         self.errors, self.error_text = [], ""
-        self._margins = {}
+        self._margins, self._rerun_margins = {}, {}
         micro = [m for m in self._micro if m.loss is not None and m.batch is not None]
         self._micro, self._capturing = [], False
         world = len(self._ranks)
@@ -478,11 +479,25 @@ class ReplayCheck:
     def _unconfirmed(self, suspects: Sequence[int], why: dict[str, Any], outcome: Outcome) -> bool:
         """Tolerance mode: a persistent finding whose comparisons exceed their thresholds by less than
         ``_CONFIRM`` times waits for the same suspects at one of the next two audits (a persistent fault persists;
-        the tail of the numerics' noise does not repeat on the same rank). True: not a finding yet (counted, said).
-        Decided from gathered rows: the same on every rank."""
-        if self.mode != "tolerance" or why.get("fault") != "persistent" or why.get("ambiguous") or not suspects:
+        the tail of the numerics' noise does not repeat on the same rank); a transient one (a rank not reproducing
+        its own step) by less than that is noise. True: not a finding (yet): counted, said. Decided from gathered
+        rows: the same on every rank."""
+        if self.mode != "tolerance" or why.get("ambiguous") or not suspects:
             return False
         named = frozenset(suspects)
+        if why.get("fault") == "transient":
+            # A rank that does not reproduce its own step by less than _CONFIRM times its thresholds: the tail of
+            # run-to-run noise (bf16 rounding flips), which a transient fault cannot be told from; counted, said.
+            low = max((self._rerun_margins.get(p, math.inf) for p in named), default=math.inf)
+            if low >= _CONFIRM:
+                return False
+            self.unconfirmed += 1
+            self.unconfirmed_text = (f"ranks {[self._ranks[p] for p in sorted(named)]} did not reproduce their own "
+                                     f"step by {low:.2f}x their thresholds (under {_CONFIRM:g}x): counted as "
+                                     "run-to-run noise")
+            return True
+        if why.get("fault") != "persistent":
+            return False
         margin = max((self._margins.get(e, math.inf) for e in outcome.edges if named & set(e)), default=math.inf)
         pending, self._pending = self._pending, None
         if margin >= _CONFIRM:
@@ -517,6 +532,7 @@ class ReplayCheck:
         row = self._compare(mine, mine["fp"])
         rows = gather_rows(row, self._group, self._wire)
         self._collect_errors(rows)
+        self._rerun_margins = {p: unbits(r[4]) if r[4] >= 0 else math.inf for p, r in enumerate(rows) if r[0]}
         return {p: r[0] == 0 for p, r in enumerate(rows)}
 
     def _calibrate_across(self, largest_bits: Sequence[int]) -> None:
