@@ -226,22 +226,21 @@ class GPUNumerics:
     def _perturb(self, index: int, out: torch.Tensor) -> torch.Tensor:
         if not out.is_floating_point() or out.numel() == 0:
             return out
-        dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
+        dtype = torch.float64 if out.dtype == torch.float64 else torch.float32  # as ``scaled`` computes
         factor = torch.ones(out.shape, device=out.device, dtype=dtype)
-        # The same pattern on every call (a generator re-seeded per call): deterministic on this rank.
-        fixed = torch.Generator(device=out.device).manual_seed((self.seed * 1_000_003 + index) % 2**63)
-        if self.bias:
-            factor.add_(self._uniform(out, fixed), alpha=self.bias)
         gen = None
+        if self.bias or (self.dither and not self.noise):
+            # The same pattern on every call (a generator re-seeded per call): deterministic on this rank.
+            gen = torch.Generator(device=out.device).manual_seed((self.seed * 1_000_003 + index) % 2**63)
+            if self.bias:
+                factor.add_(self._uniform(out, gen), alpha=self.bias)
         if self.noise:
             gen = self._noise_gens.get(out.device)
             if gen is None:
                 gen = self._noise_gens[out.device] = torch.Generator(device=out.device).manual_seed(
                     (self.seed * 7_919 + 1) % 2**63)
             factor.add_(self._uniform(out, gen), alpha=self.noise)
-        if not self.dither:
-            return (out.to(dtype) * factor).to(out.dtype)
-        return scaled(out, factor, gen if gen is not None else fixed)
+        return scaled(out, factor, gen if self.dither else None)
 
     def _hook(self, index: int) -> Callable[[torch.nn.Module, Any, Any], Any]:
         def hook(_m: torch.nn.Module, _inp: Any, out: Any) -> Any:

@@ -21,8 +21,9 @@ than e. Measured on the campaign's models (a rank whose kernels are 1e-5 off, no
 per-parameter norm change of the deviating rank 3e-6 to 2e-5, of a 1e-4 fault 7e-5 to 2e-4.
 
 An audit is judged against the thresholds measured before it, and only ranks whose comparison passed contribute their
-deltas: a fault present at a calibration audit can neither hide itself nor raise the threshold. Until the first
-healthy cross-rank audit every threshold is 1e-3 (room for a rank whose kernels differ).
+deltas: a fault present at a calibration audit can neither hide itself nor raise the threshold. Until a quantity has
+been calibrated at ``_SETTLED`` healthy cross-rank audits its threshold is at least 1e-3 (room for a rank whose
+kernels differ: one or two audits are too few to know how far they move it).
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ _SETTLED = 3           # cross-rank calibrations of a quantity before its thresh
 
 
 class Calibration:
-    """Thresholds, one per compared quantity (the loss and the whole gradient's norms, then each parameter's block
-    sketch), and what they were measured from. ``size`` quantities: fixed by the model, never by the world size."""
+    """Thresholds, one per compared quantity (the loss and the whole gradient's norms, each parameter's gradient
+    norm, then each parameter's block sketch), and what they were measured from. ``size`` quantities: fixed by the
+    model, never by the world size."""
 
     def __init__(self, size: int = 1, factors: Sequence[float] | None = None) -> None:
         self.size = max(1, size)

@@ -108,8 +108,10 @@ class ClassPairing:
 
     @classmethod
     def plan(cls, hosts: Sequence[str], classes: Sequence[int]) -> ClassPairing:
-        keys = sorted(set(classes), key=list(classes).index)  # in order of first appearance
-        members = tuple(tuple(p for p, c in enumerate(classes) if c == k) for k in keys)
+        grouped: dict[int, list[int]] = {}  # in order of first appearance
+        for p, c in enumerate(classes):
+            grouped.setdefault(c, []).append(p)
+        members = tuple(tuple(m) for m in grouped.values())
         pairings = tuple(_plan([hosts[p] for p in m]) for m in members)
         class_of, local = [0] * len(hosts), [0] * len(hosts)
         for c, m in enumerate(members):
@@ -183,13 +185,12 @@ def plan_replica_pairs(hosts: Sequence[str], replica_of: Sequence[int], slot_of:
     if len(at) != len(replica_of) or any(sl != slots[0] for sl in slots):
         raise ValueError("every replica must hold the same coordinates, each on one rank")
     per: list[set[str]] = [set() for _ in range(count)]
-    for pos, r in enumerate(replica_of):
-        per[r].add(hosts[pos])
     kinds: list[set[int]] = [set() for _ in range(count)]
     for pos, r in enumerate(replica_of):
+        per[r].add(hosts[pos])
         kinds[r].add(classes[pos] if classes is not None else 0)
-    keys = sorted({tuple(sorted(k)) for k in kinds})
-    replica_classes = [keys.index(tuple(sorted(k))) for k in kinds]
+    keys: dict[tuple[int, ...], int] = {}
+    replica_classes = [keys.setdefault(tuple(sorted(k)), len(keys)) for k in kinds]
     return ReplicaPairing(plan_pairs(["+".join(sorted(h)) for h in per], replica_classes), tuple(replica_of),
                           tuple(slot_of), at)
 

@@ -82,6 +82,7 @@ class ReplayCheck:
         # size, while kernel noise spread over the elements barely moves them), then each parameter's block sketch
         # (a flipped sign or mantissa bit of one element).
         count = len(self._params)
+        self._sizes = torch.tensor([p.numel() for p in self._params], dtype=torch.float64)  # for the norms' floor
         factors = [calibration.CROSS_FACTOR] * (1 + count) + [calibration.SKETCH_FACTOR] * count
         self._threshold = Calibration(1 + 2 * count, factors) if self._auto else None
         self._features: list[float] | None = None  # the last comparison's deltas per quantity (healthy audits)
@@ -269,20 +270,8 @@ class ReplayCheck:
             outcome.edges += more
         if self.errors:
             return None, measured
-        if self.mode == "tolerance" and referee is not None and len(outcome.edges) == 1 \
-                and all(outcome.reproduced.values()):
-            # One comparison over its threshold that neither the referee round nor the origin's own comparison of
-            # its partner repeats: a persistent fault shows in two comparisons at least (the faulty rank's record,
-            # and its recomputation of another rank's), so one is the tail of the numerics' noise. Counted, said,
-            # never an incident, and never fed into the calibration.
-            a, o = outcome.edges[0]
-            self.unconfirmed += 1
-            self.unconfirmed_text = (f"one comparison (rank {self._ranks[a]} replaying rank {self._ranks[o]}: "
-                                     f"{self._last_deltas}) exceeded its threshold and no other comparison repeated "
-                                     "it: counted as numerical noise, not a fault")
-            return None, measured
         suspects, why = attribute(outcome, self._replica_of)
-        if self._unconfirmed(suspects, why, outcome):
+        if self._unconfirmed(suspects, why, outcome, refereed=referee is not None):
             return None, measured
         if why.get("fault") == "unfaithful":  # most ranks cannot reproduce themselves: replay is wrong, not hardware
             self.errors = list(self._ranks)
@@ -476,13 +465,25 @@ class ReplayCheck:
                         "loss": json_float(unbits(r[1])), "grad": json_float(unbits(r[2]))}
         return edges, measured
 
-    def _unconfirmed(self, suspects: Sequence[int], why: dict[str, Any], outcome: Outcome) -> bool:
-        """Tolerance mode: a persistent finding whose comparisons exceed their thresholds by less than
-        ``_CONFIRM`` times waits for the same suspects at one of the next two audits (a persistent fault persists;
-        the tail of the numerics' noise does not repeat on the same rank); a transient one (a rank not reproducing
-        its own step) by less than that is noise. True: not a finding (yet): counted, said. Decided from gathered
+    def _unconfirmed(self, suspects: Sequence[int], why: dict[str, Any], outcome: Outcome, refereed: bool) -> bool:
+        """Tolerance mode, what the numerics' noise can explain: one comparison over its threshold that nothing
+        repeats; a persistent finding whose comparisons exceed their thresholds by less than ``_CONFIRM`` times,
+        until the same suspects exceed again at one of the next two audits (a persistent fault persists; the tail of
+        the noise does not repeat on the same rank); a transient one (a rank not reproducing its own step) by less
+        than that. True: not a finding (yet): counted, said, never fed into the calibration. Decided from gathered
         rows: the same on every rank."""
-        if self.mode != "tolerance" or why.get("ambiguous") or not suspects:
+        if self.mode != "tolerance":
+            return False
+        if refereed and len(outcome.edges) == 1 and all(outcome.reproduced.values()):
+            # Neither the referee round nor the origin's own comparison of its partner repeats it: a persistent fault
+            # shows in two comparisons at least (the faulty rank's record, and its recomputation of another rank's).
+            a, o = outcome.edges[0]
+            self.unconfirmed += 1
+            self.unconfirmed_text = (f"one comparison (rank {self._ranks[a]} replaying rank {self._ranks[o]}: "
+                                     f"{self._last_deltas}) exceeded its threshold and no other comparison repeated "
+                                     "it: counted as numerical noise, not a fault")
+            return True
+        if why.get("ambiguous") or not suspects:
             return False
         named = frozenset(suspects)
         if why.get("fault") == "transient":
@@ -579,8 +580,7 @@ class ReplayCheck:
             # Each parameter's norm relative to itself, and at least to its share of the whole gradient's norm (a
             # gradient that cancels to rounding, a bias before a LayerNorm, is noise relative to itself: measured
             # against a tenth of its share, such a parameter still raised a false incident in 120 audits).
-            sizes = torch.tensor([p.numel() for p in self._params], dtype=torch.float64)
-            share = sketch_floor(ref, sizes, _NORM_SHARE)
+            share = sketch_floor(ref, self._sizes, _NORM_SHARE)
             norm_deltas = torch.where(got == ref, torch.zeros_like(ref), (got - ref).abs() / share)
             grad_delta = norm_delta
             recorded_sketch = record.get("sketch")

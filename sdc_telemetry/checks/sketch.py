@@ -104,9 +104,7 @@ def deltas(recomputed: torch.Tensor, recorded: torch.Tensor) -> list[float]:
         return [math.inf] * max(1, recorded.shape[0] if recorded.ndim == 2 else 1)
     a, b = recomputed.double().cpu(), recorded.double().cpu()
     proj_a, proj_b, norms, n = a[:, :BLOCKS], b[:, :BLOCKS], b[:, BLOCKS:2 * BLOCKS], b[:, -1]
-    param_norm = torch.linalg.vector_norm(norms, dim=1)
-    total_norm = float(torch.linalg.vector_norm(param_norm))
-    total_n = float(n.sum())
+    scale = floor(torch.linalg.vector_norm(norms, dim=1), n).tolist()  # each parameter's, at least FLOOR of its share
     finite_a, finite_b = torch.isfinite(proj_a), torch.isfinite(proj_b)
     out = []
     for i in range(b.shape[0]):
@@ -122,7 +120,6 @@ def deltas(recomputed: torch.Tensor, recorded: torch.Tensor) -> list[float]:
         diff = (proj_a[i, :blocks] - proj_b[i, :blocks]).abs()
         if not bool(torch.isfinite(diff).all()):
             diff = torch.where(torch.isfinite(diff), diff, torch.zeros_like(diff))  # same non-finite both sides
-        share = max(float(param_norm[i]) * math.sqrt(size / count),
-                    FLOOR * total_norm * math.sqrt(size / max(total_n, 1.0)), 1e-30)
+        share = max(scale[i] * math.sqrt(size / count), 1e-30)  # the block's part of it
         out.append(float(diff.max()) / share)
     return out

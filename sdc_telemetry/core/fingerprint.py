@@ -167,9 +167,7 @@ def _fingerprint(tensors: Sequence[torch.Tensor], b: int, k: int) -> torch.Tenso
     device = tensors[0].device
     if fingerprint_kernel.available(device):  # GPUs: every tensor in one launch (core/fingerprint_kernel.py)
         read = [t.detach() if fingerprint_kernel.direct(t) else _words(t) for t in tensors]
-        words = [-(-t.numel() * t.element_size() // _WORD) for t in read]
-        most = max((-(-(n // k) // b) * k + n % k for n in words), default=0)  # partial sums of the largest
-        return fingerprint_kernel.fingerprint_many(read, _weights(max(most, 1), device), k, b, _GOLDEN, _M1)
+        return fingerprint_kernel.fingerprint_many(read, lambda n: _weights(n, device), k, b, _GOLDEN, _M1)
     pieces = [_partials(_words(t), b, k) for t in tensors]
     sizes = [sum(p.numel() for p in ps) for ps in pieces]
     # One copy of every partial sum (1/b of large tensors, all of small ones), mixed in place.

@@ -25,7 +25,7 @@ import math
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -68,9 +68,9 @@ def _compiled() -> Any:
 
 
 def _table(spans: Sequence[tuple[int, int]], device: torch.device, k: int, b: int) -> tuple[Any, ...]:
-    """(per-tensor info [address, bytes, rows, blocks], per-program [tensor, tile], programs, the CUDA event after
-    which they are on the device or None, what must stay referenced) for tensors given as (address, bytes), cached
-    per set of them."""
+    """(per-tensor info [address, bytes, rows, blocks], per-program [tensor, tile], programs, the largest number of
+    partial sums (the weights needed), the CUDA event after which they are on the device or None, what must stay
+    referenced) for tensors given as (address, bytes), cached per set of them."""
     key = (device, k, b, *spans)
     with _lock:
         found = _tables.get(key)
@@ -78,13 +78,14 @@ def _table(spans: Sequence[tuple[int, int]], device: torch.device, k: int, b: in
             _tables.move_to_end(key)
             return found
     ncol = math.ceil(k / _BC)
-    info, counts = [], []
+    info, counts, most = [], [], 1
     for address, nbytes in spans:
         n = -(-nbytes // 8)
         rows = n // k
         blocks = -(-rows // b)
         info.append([address, nbytes, rows, blocks])
         counts.append(blocks * ncol + math.ceil((n - rows * k) / _BC))
+        most = max(most, blocks * k + n - rows * k)  # partial sums: one per column of a block, one per tail word
     total = sum(counts)
     per = torch.tensor(counts, dtype=torch.int64)
     tensor = torch.repeat_interleave(torch.arange(len(spans), dtype=torch.int64), per)
@@ -98,9 +99,9 @@ def _table(spans: Sequence[tuple[int, int]], device: torch.device, k: int, b: in
         on_device = (host.to(device, non_blocking=True), work.to(device, non_blocking=True))
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ready.record()
-        found = (*on_device, total, ready, (host, work))
+        found = (*on_device, total, most, ready, (host, work))
     else:
-        found = (host, work, total, None, ())
+        found = (host, work, total, most, None, ())
     with _lock:
         _tables[key] = found
         while len(_tables) > _CACHE:
@@ -115,23 +116,24 @@ def direct(t: torch.Tensor) -> bool:
             and not t.is_conj() and not t.is_neg() and t.data_ptr() % 8 == 0)
 
 
-def fingerprint_many(tensors: Sequence[torch.Tensor], weights: torch.Tensor, k: int, b: int, golden: int, m1: int
-                     ) -> torch.Tensor:
+def fingerprint_many(tensors: Sequence[torch.Tensor], weights: Callable[[int], torch.Tensor], k: int, b: int,
+                     golden: int, m1: int) -> torch.Tensor:
     """(len(tensors), 1) int64 rows of ``tensors`` (on one device, each ``direct`` or a 1-D int64 word copy made by
-    ``fingerprint._words``) with the weights ``weights`` (at least the largest partial-sum count) and the
-    definition's constants."""
+    ``fingerprint._words``) with the definition's weights (``weights(n)``: the first n on the device) and
+    constants."""
     kernel = _compiled()
     if kernel is None:
         raise RuntimeError(f"Triton is not available: {_import_error}")
     device = tensors[0].device
     out = torch.zeros(len(tensors), dtype=torch.int64, device=device)
-    info, work, total, ready, _ = _table([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors], device, k, b)
+    spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
+    info, work, total, most, ready, _ = _table(spans, device, k, b)
     if ready is not None:
         torch.cuda.current_stream(device).wait_event(ready)
     if total:
         # Named for the profiler: one launch (Triton's interpreter, on CPU tensors, runs tensor copies in it)
         with torch.profiler.record_function(LAUNCH):
-            kernel[(total,)](info, work, weights, out, K=k, B=b, BC=_BC, RB=_RB, NCOL=math.ceil(k / _BC),
+            kernel[(total,)](info, work, weights(most), out, K=k, B=b, BC=_BC, RB=_RB, NCOL=math.ceil(k / _BC),
                              GOLDEN=golden, M1=m1, LOW32=(1 << 32) - 1, LOW31=(1 << 33) - 1)
         launches[0] += 1
     return out.unsqueeze(1)
