@@ -93,6 +93,7 @@ class SDCMonitor:
         self._closed = True  # until construction succeeds: close() then does nothing
         self.layout = layout = layout_for(model, replica_group=replica_group, comm_hook=comm_hook,
                                           comm_state=comm_state, mesh=mesh, pipeline=pipeline)
+        optimizer = _unwrapped(optimizer)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
@@ -837,3 +838,13 @@ class SDCMonitor:
     def _internal_error(self, component: str, what: str) -> None:
         log.exception("sdc_telemetry: %s (rank %d); training goes on", what, self.rank)
         self.sinks.internal_error(component)
+
+
+def _unwrapped(optimizer: Any) -> Any:
+    """The torch optimizer inside a framework's wrapper that subclasses ``Optimizer`` without its set-up (Accelerate's
+    ``AcceleratedOptimizer``: its ``step()`` calls the inner optimizer's, whose hooks the monitor registers)."""
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(optimizer, torch.optim.Optimizer) and isinstance(inner, torch.optim.Optimizer) \
+            and "_optimizer_step_post_hooks" not in vars(optimizer):
+        return inner
+    return optimizer

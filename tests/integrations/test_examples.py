@@ -124,9 +124,10 @@ def test_ddp_example_fire_drill_stops_every_rank_then_resumes_from_certified_che
 
 
 def test_accelerate_example_keeps_a_bad_sample_out_of_the_weights() -> None:
-    """The Accelerate sample (accelerator.backward kept, step.record_loss before it) with a NaN in one rank's batch,
-    decided before the update and one step later: the triggered audit says data (nobody named, training goes on
-    under on_suspect="raise"), `if step.finite:` skipped that one update on every rank, the weights stay finite."""
+    """The Accelerate sample (accelerator.accumulate over 2 micro-batches, accelerator.backward kept,
+    SDCAccelerate(skip_nonfinite=True)) with a NaN in one rank's batch, decided before the update and one step later:
+    the triggered audit says data (nobody named, training goes on under on_suspect="raise"), that one update is
+    skipped on every rank, the weights stay finite."""
     pytest.importorskip("accelerate")
     for verdicts in ("immediate", "deferred"):
         proc = torchrun("accelerate_train.py", "--steps", "8", "--nan-at", "5", env={"SDC_VERDICTS": verdicts})

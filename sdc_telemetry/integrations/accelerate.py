@@ -1,0 +1,173 @@
+"""Hugging Face Accelerate integration: ``SDCAccelerate``, for loops written with ``accelerator.backward``.
+
+    >>> from sdc_telemetry.accelerate import SDCAccelerate                     # doctest: +SKIP
+    >>> model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    >>> run = SDCAccelerate(accelerator, model, optimizer, loss_fn=compute_loss,
+    ...                     config=sdc.SDCConfig(replay_every=50, on_suspect="raise"))
+    >>> with sdc.exit_on_sdc(run):
+    ...     for batch in loader:
+    ...         with accelerator.accumulate(model):
+    ...             run.micro_batch(batch)           # before the forward pass
+    ...             loss = compute_loss(model, batch)
+    ...             accelerator.backward(loss)       # recorded; the checks run in the last micro-batch's backward
+    ...             optimizer.step()
+    ...             optimizer.zero_grad()
+    >>> run.close()
+
+The loop keeps ``accelerator.backward(loss)``: ``SDCAccelerate`` wraps that method on the accelerator it is given
+(undone by ``close()``). Each call records the micro-batch's loss with what Accelerate applies before its backward
+(``1 / gradient_accumulation_steps``, then its ``GradScaler`` under fp16 mixed precision), so that the replay
+recomputes the same gradients, then runs Accelerate's backward. The monitor's step opens at the first micro-batch
+``micro_batch(batch)`` registers (capturing its RNG state for the replay) and ends right after the backward of the
+micro-batch on which Accelerate synchronises gradients (``accelerator.sync_gradients``: the last one of an
+``accelerator.accumulate`` window, or every one without accumulation). That is where every rank runs the checks,
+after the gradients are reduced and before ``optimizer.step()`` applies them, and where ``SDCDetected`` is raised
+on every rank at the same step.
+
+- The optimizer ``accelerator.prepare`` returns (``AcceleratedOptimizer``) is accepted as it is; the monitor hooks
+  the torch optimizer inside it. ``skip_nonfinite=True`` makes that optimizer skip the update of a step whose
+  gradients were not finite on every rank (a NaN in one rank's batch never reaches the weights), the same way on
+  every rank, as the fp16 scaler skips an overflow.
+- ``loss_fn(module, batch)`` recomputes a micro-batch's loss for the replay on the unwrapped model; under bf16 or
+  fp16 mixed precision Accelerate's autocast sits on that model's ``forward``, so the replay runs it too.
+- Layouts: single process, DDP, and Accelerate's FSDP2 plugin (``fsdp_version=2``: the monitor reads the mesh from
+  the sharded parameters). DeepSpeed, Megatron-LM, FSDP1 and XLA are refused by name.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from sdc_telemetry.core.config import SDCConfig
+from sdc_telemetry.core.incident import Incident
+from sdc_telemetry.monitor import SDCMonitor
+from sdc_telemetry.sinks.observer import Observer
+from sdc_telemetry.step import StepContext
+
+__all__ = ["SDCAccelerate"]
+
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+log = logging.getLogger("sdc_telemetry")
+
+# Accelerate's DistributedType values this integration refuses, with why.
+_REFUSED = {
+    "DEEPSPEED": "DeepSpeed runs its own backward and partitions the optimizer",
+    "MEGATRON_LM": "Megatron-LM runs its own backward inside its train step",
+    "XLA": "XLA devices are not supported",
+}
+
+
+class SDCAccelerate:
+    """Silent-data-corruption checks for a training loop on an ``accelerate.Accelerator``.
+
+    ``accelerator``: the Accelerator that prepared ``model`` and ``optimizer``; ``model``: the prepared model (the
+    DDP wrapper, the FSDP2 module, or the plain module in one process); ``optimizer``: the prepared optimizer;
+    ``loss_fn(module, batch)``: a micro-batch's loss, as the loop computes it (the replay calls it on the unwrapped
+    model); ``config``, ``start_step``, ``observer``: as for ``SDCMonitor``; ``skip_nonfinite``: see the module.
+    ``monitor`` is the ``SDCMonitor`` (its ``incidents`` stay readable after ``close()``); ``sdc.exit_on_sdc(run)``
+    reads it.
+    """
+
+    def __init__(self, accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 loss_fn: LossFn, config: SDCConfig | None = None, start_step: int = 0,
+                 observer: Observer | None = None, skip_nonfinite: bool = False) -> None:
+        backward = getattr(accelerator, "backward", None)
+        if not callable(backward) or not hasattr(accelerator, "sync_gradients"):
+            raise TypeError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(module, batch), got {type(loss_fn).__name__}")
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError(f"skip_nonfinite must be a bool, got {type(skip_nonfinite).__name__}")
+        kind = str(getattr(accelerator.distributed_type, "name", accelerator.distributed_type))
+        if kind in _REFUSED:
+            raise ValueError(f"SDCAccelerate does not support Accelerate's {kind} mode: {_REFUSED[kind]}")
+        if kind == "FSDP" and not getattr(accelerator, "is_fsdp2", False):
+            raise ValueError("SDCAccelerate supports Accelerate's FSDP plugin with fsdp_version=2 (fully_shard), "
+                             "not FSDP1")
+        if getattr(backward, "__sdc_accelerate__", None) is not None:
+            raise ValueError("this accelerator already has an SDCAccelerate attached: close() it first")
+        self.accelerator = accelerator
+        self.monitor = SDCMonitor(model, optimizer, loss_fn=loss_fn, config=config, start_step=start_step,
+                                  observer=observer)
+        self._step: StepContext | None = None   # the open step, from its first micro-batch to the synchronising one
+        self._last: StepContext | None = None   # the last step that ended
+        self._backward = backward
+        try:
+            if skip_nonfinite:
+                self.monitor.skip_nonfinite_updates()
+            self._own_backward = "backward" in vars(accelerator)
+            wrapped = self._wrap(backward)
+            accelerator.backward = wrapped
+        except BaseException:
+            self.monitor.close()
+            raise
+
+    def _wrap(self, backward: Callable[..., Any]) -> Callable[..., Any]:
+        def sdc_backward(loss: torch.Tensor, **kwargs: Any) -> Any:
+            if self.monitor.closed:
+                return backward(loss, **kwargs)
+            step = self._step
+            if step is None:
+                raise RuntimeError("accelerator.backward() ran with no micro-batch registered: call "
+                                   "run.micro_batch(batch) (SDCAccelerate) before each micro-batch's forward pass")
+            accelerator = self.accelerator
+            # What Accelerate's backward does to the loss: divide by the accumulation steps, then its scaler.
+            step.record_loss(loss, scale=1.0 / accelerator.gradient_accumulation_steps, scaler=accelerator.scaler)
+            try:
+                out = backward(loss, **kwargs)
+            except BaseException as e:
+                self._step = None
+                step.__exit__(type(e), e, e.__traceback__)  # abandoned on this rank; the next micro-batch reopens
+                raise
+            if accelerator.sync_gradients:  # the gradients are reduced: the step's checks, before the update
+                self._step = None
+                self._last = step
+                step.end()
+            return out
+
+        sdc_backward.__sdc_accelerate__ = self  # type: ignore[attr-defined]
+        return sdc_backward
+
+    def micro_batch(self, batch: Any) -> None:
+        """Register the next micro-batch (call before its forward pass, inside ``accelerator.accumulate``): opens the
+        monitor's step on the first micro-batch of an optimizer step. Does nothing once the monitor is closed."""
+        if self.monitor.closed:
+            return
+        if self._step is None:
+            self._step = self.monitor.step().begin()
+        self._step.micro_batch(batch)
+
+    @property
+    def finite(self) -> bool:
+        """The last completed step's gradients were finite on every rank (the same answer everywhere)."""
+        if self._last is None:
+            raise RuntimeError("no step has ended yet: read run.finite after the synchronising accelerator.backward()")
+        return self._last.finite
+
+    @property
+    def incidents(self) -> list[Incident]:
+        return self.monitor.incidents
+
+    def close(self) -> None:
+        """Give ``accelerator.backward`` back and close the monitor (an open step is abandoned). Idempotent."""
+        current = vars(self.accelerator).get("backward")
+        if getattr(current, "__sdc_accelerate__", None) is self:
+            if self._own_backward:
+                self.accelerator.backward = self._backward
+            else:
+                del self.accelerator.backward  # the class's method again
+        step, self._step = self._step, None
+        if step is not None and not self.monitor.closed:
+            step.__exit__(RuntimeError, None, None)
+        self.monitor.close()
+
+    def __enter__(self) -> SDCAccelerate:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
