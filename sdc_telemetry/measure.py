@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from sdc_telemetry.checks import grad as grad_check
 from sdc_telemetry.checks.at_rest import AtRestCheck, Compared
@@ -21,7 +22,7 @@ from sdc_telemetry.checks.outliers import OutlierTrigger, quantize
 from sdc_telemetry.checks.replay import ReplayCheck
 from sdc_telemetry.checks.weights import WeightsCheck
 from sdc_telemetry.core import status as S
-from sdc_telemetry.core.collective import Agreement
+from sdc_telemetry.core.collective import Agreement, disagreement
 from sdc_telemetry.core.config import SDCConfig
 from sdc_telemetry.parallel.base import Layout
 
@@ -53,12 +54,14 @@ class StepMeasurer:
     def __init__(self, layout: Layout, config: SDCConfig, params: Sequence[torch.nn.Parameter],
                  device: torch.device, record: grad_check.GradRecord, weights: WeightsCheck | None,
                  replay: ReplayCheck | None, outliers: OutlierTrigger | None,
-                 on_error: Callable[[str, str], None], at_rest: AtRestCheck | None = None) -> None:
+                 on_error: Callable[[str, str], None], at_rest: AtRestCheck | None = None,
+                 digest_group: dist.ProcessGroup | None = None) -> None:
         self.layout, self.config, self._params, self.device = layout, config, list(params), device
         self._record, self._weights, self._replay, self._outliers = record, weights, replay, outliers
         self._on_error = on_error
         self._at_rest = at_rest
-        self._absent: torch.Tensor | None = None  # the status vector's absent-slot mask, made once
+        # The replicas of this rank's shard (sharded layouts): their digests are compared there first.
+        self._digest_group = digest_group
 
     def measure(self, step: int, loss: torch.Tensor | None, scaler_used: bool, *, weights: bool,
                 audit: bool = False, snapshot: bool = False, grads: bool = True,
@@ -132,11 +135,12 @@ class StepMeasurer:
                 host[S.WEIGHTS_ERROR] = 1
                 on_device.pop(S.AT_REST, None)
                 at_rest = None
+            if self._digest_group is not None:  # every rank of the group, whatever happened above
+                digest = disagreement(digest, self._digest_group).reshape(1)
             weights_s = time.perf_counter() - t
         on_device.update({S.LOCAL_NONFINITE: nonfinite[0], S.REDUCED_NONFINITE: nonfinite[1]})
-        vec, self._absent = S.pack(host, on_device, digest, self.device, layout.digest_slots, layout.digest_slot,
-                                   self._absent)
-        agreement = Agreement(vec, layout.group, layout.distributed, local=norms, absent=self._absent)
+        vec = S.pack(host, on_device, digest, self.device)
+        agreement = Agreement(vec, layout.group, layout.distributed, local=norms)
         elapsed = time.perf_counter() - start
         # grad_local: the tap's measurements during backward and the local part here; grad_reduced: its pass.
         durations = {"grad_local": record.elapsed + elapsed - reduced_s - weights_s, "grad_reduced": reduced_s,

@@ -40,7 +40,7 @@ from sdc_telemetry.checks.update import UpdateAudit
 from sdc_telemetry.checks.weights import WeightsCheck
 from sdc_telemetry.core import status as S
 from sdc_telemetry.core.certificate import WeightCertificate, format_fingerprint
-from sdc_telemetry.core.collective import collective_device
+from sdc_telemetry.core.collective import collective_device, shard_replicas
 from sdc_telemetry.core.config import SDCConfig
 from sdc_telemetry.core.episodes import Episodes
 from sdc_telemetry.core.findings import Finding
@@ -155,6 +155,10 @@ class SDCMonitor:
         voted_state = optimizer if update_check.unsupported(optimizer) is None else None
         self._weights = WeightsCheck(every, layout.group, self._ranks, layout.weight_classes(classes),
                                      local=layout.local, optimizer=voted_state) if layout.weight_replicas else None
+        # Sharded replicas compare their digests within each shard's replica group first, so that the step's
+        # agreement has the same size at any mesh (core/status.py).
+        self._digest_group = shard_replicas(layout.digest_key, self._ranks, layout.group, self.device)[0] \
+            if self._weights is not None and layout.digest_keys else None
         # Each rank's own tensors between the update and the weight check: where no replica holds them, and to
         # referee two replicas (checks/at_rest.py).
         self._at_rest = AtRestCheck([n for n, _ in every], [p for _, p in every], optimizer, layout.local) \
@@ -187,7 +191,8 @@ class SDCMonitor:
                                           gather=lambda row: layout.gather_rows(row, self.device),
                                           gather_objects=layout.gather_objects)
         self._measurer = StepMeasurer(layout, self.config, self._params, self.device, self._record, self._weights,
-                                      self._replay, self._outliers, self._internal_error, at_rest=self._at_rest)
+                                      self._replay, self._outliers, self._internal_error, at_rest=self._at_rest,
+                                      digest_group=self._digest_group)
         layout.install(self._record, reduced_checks=self.config.grad_checks)
         self._handles = [optimizer.register_step_post_hook(self._after_update)]
         if self._update is not None:
@@ -197,7 +202,6 @@ class SDCMonitor:
         self._first_step = start_step
         self._step = start_step - 1
         self._pending: Measured | None = None
-        self._absent: torch.Tensor | None = None
         # verdicts="deferred": healthy verdicts are read one step later, with no host wait (the same on every rank);
         # the previous step's record stays referenced until then, for a late triggered audit.
         self._defer_verdicts = self.config.verdicts == "deferred"
@@ -611,7 +615,7 @@ class SDCMonitor:
         error = bool(high[S.WEIGHTS_ERROR])
         if self._weights is not None:
             finding, result = self._weights.verdict(m.step, error, bool(m.mine[S.WEIGHTS_ERROR]),
-                                                    S.digests_agree(high, low, self.layout.digest_slots), m.table,
+                                                    S.digests_agree(high, low, self._digest_group is not None), m.table,
                                                     self._writer)
         elif error:
             finding, result = None, "error" if m.mine[S.WEIGHTS_ERROR] else "skipped"
@@ -775,7 +779,7 @@ class SDCMonitor:
         n = self.config.update_every
         reason = update_check.unsupported(optimizer)
         layout = self.layout
-        holders = self._world // max(layout.digest_slots, 1) if layout.weight_replicas else 1
+        holders = self._world // max(layout.digest_keys, 1) if layout.weight_replicas else 1
         if n == "auto":
             n = self.config.replay_every if reason is None and self._world > 1 and holders <= 2 else 0
         elif n and reason is not None:

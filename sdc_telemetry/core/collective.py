@@ -1,7 +1,8 @@
 """The few collectives the monitor uses, on the device the process group's backend needs.
 
-The healthy path uses ``agree`` only: one all-reduce of a fixed-size int64 vector that gives every rank the MAX and
-the MIN of each field over the group (flags OR/AND, digests equal or not). Per-rank rows (``gather_rows``,
+The healthy path uses ``agree``: one all-reduce of a fixed-size int64 vector that gives every rank the MAX and the
+MIN of each field over the group (flags OR/AND, digests equal or not); sharded layouts compare weight digests within
+each shard's replicas first (``disagreement``, two int64 per rank). Per-rank rows (``gather_rows``,
 ``gather_objects``) are gathered only when a field disagrees, on a replay audit, or at set-up.
 """
 
@@ -13,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["collective_device", "agree", "wait_work", "sum_counts", "gather_rows", "gather_objects", "gather_ragged",
-           "group_ranks", "Agreement"]
+__all__ = ["collective_device", "agree", "disagreement", "wait_work", "sum_counts", "gather_rows", "gather_objects",
+           "gather_ragged", "group_ranks", "shard_replicas", "Agreement"]
 
 
 def collective_device(group: dist.ProcessGroup | None, device: torch.device | None = None) -> torch.device:
@@ -38,17 +39,12 @@ class Agreement:
     """
 
     def __init__(self, vec: torch.Tensor, group: dist.ProcessGroup | None, distributed: bool = True,
-                 local: torch.Tensor | None = None, absent: torch.Tensor | None = None) -> None:
+                 local: torch.Tensor | None = None) -> None:
         self.size = vec.numel()
         # This rank's own float64 values (gradient norms for telemetry), read back with the verdict.
         self._local = local.detach().to(torch.float64) if local is not None else torch.zeros(0, dtype=torch.float64)
         vec = vec.to(torch.int64)
         both = torch.cat([vec, torch.bitwise_not(vec)])
-        if absent is not None:
-            # Fields this rank has no value for (another shard's digest slot): the neutral element of MAX in both
-            # halves, so the MAX and MIN are taken over the ranks that contribute.
-            mask = torch.cat([absent, absent]).to(both.device)
-            both = torch.where(mask, torch.full_like(both, torch.iinfo(torch.int64).min), both)
         if distributed:
             both = both.to(collective_device(group, vec.device))
             wait_work(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True))
@@ -86,6 +82,26 @@ class Agreement:
             values: list[int] = self._both.tolist()
             self._result = values[:self.size], [~x for x in values[self.size:]]
         return self._result
+
+
+def disagreement(value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """1 (a 0-d int64 tensor on ``value``'s device) where the ranks of ``group`` hold different values of the 0-d or
+    one-element int64 ``value``, else 0: the MAX of ``[v, ~v]`` over the group, compared on the device, so the host
+    never waits for it on a GPU. Collective over ``group``."""
+    v = value.reshape(1).to(torch.int64)
+    both = torch.cat([v, torch.bitwise_not(v)]).to(collective_device(group, v.device))
+    wait_work(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True))
+    return (both[0] != torch.bitwise_not(both[1])).to(device=value.device, dtype=torch.int64)
+
+
+def shard_replicas(key: int, ranks: Sequence[int], group: dist.ProcessGroup | None, device: torch.device
+                  ) -> tuple[dist.ProcessGroup, int]:
+    """The process group of the ranks (of ``group``, global ``ranks`` by position) whose ``key`` is this rank's, and
+    how many they are. Set-up only: every rank of ``group`` calls it once (one all-gather of the keys); each rank
+    then makes only its own group (``use_local_synchronization``), so set-up does not grow with the key count."""
+    keys = [row[0] for row in gather_rows(torch.tensor([key], dtype=torch.int64), group, device)]
+    members = [r for r, k in zip(ranks, keys, strict=True) if k == key]
+    return dist.new_group(members, use_local_synchronization=True), len(members)
 
 
 def wait_work(work: Any) -> None:

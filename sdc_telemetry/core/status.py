@@ -1,9 +1,10 @@
 """The step's status vector: the wire format of the healthy path's one collective.
 
 One int64 per field, agreed by MAX and MIN over the group in one all-reduce (``core.collective.Agreement``): flags
-become OR/AND, digests equal or not. Layouts whose tensors are sharded add one digest slot per shard index after
-the fixed fields, so that the replicas of each shard agree among themselves (other ranks leave the slot absent).
-The vector's size depends on the layout, never on the world size.
+become OR/AND, digests equal or not. Where tensors are sharded, the replicas of each shard compare their weight
+digests among themselves first (``core.collective.disagreement``: one all-reduce of two int64 in the shard's replica
+group, on the device) and ``DIGEST`` carries whether any of them differ. The vector has ``FIELDS`` fields at any
+layout, mesh shape and world size.
 """
 
 from __future__ import annotations
@@ -29,28 +30,20 @@ GRAD_FIELDS = (LOCAL_MEASURED, LOCAL_NONFINITE, REDUCED_MEASURED, REDUCED_NONFIN
 OUTLIER_FIELDS = (LOSS_Q, NORM_Q, JUMP_Q)
 
 
-def digests_agree(high: list[int], low: list[int], slots: int) -> bool:
-    """Every replica's weight digest is the same (in each shard's slot, for sharded layouts)."""
-    return all(high[f] == low[f] for f in (DIGEST, *range(FIELDS, FIELDS + slots)))
+def digests_agree(high: list[int], low: list[int], grouped: bool) -> bool:
+    """Every replica's weight digest is the same: one digest for the group (``grouped`` False: its MAX is its MIN),
+    or, agreed first within each shard's replicas (``grouped``), no rank's replica group differed."""
+    return high[DIGEST] == 0 if grouped else high[DIGEST] == low[DIGEST]
 
 
-def pack(host: list[int], on_device: Mapping[int, torch.Tensor], digest: torch.Tensor, device: torch.device,
-         slots: int, slot: int, absent: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def pack(host: list[int], on_device: Mapping[int, torch.Tensor], digest: torch.Tensor, device: torch.device
+         ) -> torch.Tensor:
     """The status vector on ``device`` from the host fields and the device-side values (``on_device``: field ->
-    0-d tensor; no host synchronisation), and the mask of the slots this rank leaves absent (``absent``: the mask
-    made at an earlier step, reused)."""
-    fixed = torch.tensor(host + [0] * slots, dtype=torch.int64)
+    0-d tensor; no host synchronisation); ``digest``: the weight digest, or the replica group's disagreement flag."""
+    fixed = torch.tensor(host, dtype=torch.int64)
     # Pinned and non-blocking on CUDA: building the vector never waits for the GPU.
     vec = fixed.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else fixed
     for f, value in on_device.items():
         vec[f] = value
-    if not slots:
-        vec[DIGEST] = digest[0]
-        return vec, None
-    vec[FIELDS + slot] = digest[0]
-    if absent is None:  # made once: a constant mask, no host-to-device copy per step
-        mask = torch.ones(FIELDS + slots, dtype=torch.bool)
-        mask[:FIELDS] = False
-        mask[FIELDS + slot] = False
-        absent = mask.to(vec.device)
-    return vec, absent
+    vec[DIGEST] = digest.reshape(-1)[0]
+    return vec

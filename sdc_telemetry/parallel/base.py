@@ -9,9 +9,9 @@ The monitor asks its layout and never the model's type. A layout answers:
   (one process); ``reduces`` says whether reduced gradients exist to be checked (``grad_reduced``);
 - **which ranks hold replicas of which tensor**: ``shard_of`` (each position's shard index, for sharded models;
   None when every rank holds whole tensors), ``weight_replicas`` (some other rank holds a copy of every tensor
-  this rank holds, so the weight vote has something to compare) and ``digest_slots``/``digest_slot`` (the slots of
-  the status vector the weight digest travels in: one per shard index, so replicas of a shard agree among
-  themselves);
+  this rank holds, so the weight vote has something to compare) and ``digest_keys``/``digest_key`` (how many
+  distinct shards there are and which one this rank holds: the replicas of a shard compare their weight digests
+  among themselves, in a process group of their own, before the step's agreement);
 - **how a tensor is read in place**: ``local(t)`` (this rank's share, never a collective: what the weight
   fingerprint and the reduced-gradient norm read) and ``whole(named)`` (whole tensors for a certificate, one at a
   time);
@@ -100,12 +100,13 @@ class Layout:
         return "one replica: weight and replay checks need several ranks and are off"
 
     @property
-    def digest_slots(self) -> int:
-        """Status-vector slots for the weight digest beyond the one shared field (0: one digest for the group)."""
+    def digest_keys(self) -> int:
+        """Distinct shards whose replicas compare weight digests among themselves (0: every rank holds whole
+        tensors, one digest for the group)."""
         return 0
 
     @property
-    def digest_slot(self) -> int:
+    def digest_key(self) -> int:
         return 0
 
     def weight_classes(self, classes: Sequence[int] | None) -> list[Any] | None:

@@ -94,7 +94,7 @@ class Coordinates:
 
     @property
     def keys(self) -> int:
-        """Distinct shard keys (pp x dp_shard x cp x tp): one weight-digest slot each."""
+        """Distinct shard keys (pp x dp_shard x cp x tp): one digest replica group each."""
         return self.sizes["pp"] * self.sizes["dp_shard"] * self.sizes["cp"] * self.sizes["tp"]
 
     def slot_of(self, position: int) -> int:

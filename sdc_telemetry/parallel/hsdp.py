@@ -1,8 +1,8 @@
 """HSDP: fully_shard on a 2-D ``(replicate, shard)`` mesh. Ranks with the same shard index hold the same shard.
 
-Everything of FSDP2 (``parallel.fsdp``) holds, and the replicate dimension adds the weight vote: each shard index
-has its own digest slot in the status vector, agreed among the replicas of that shard only, and a disagreement is
-voted on within the replicas of the shard.
+Everything of FSDP2 (``parallel.fsdp``) holds, and the replicate dimension adds the weight vote: the replicas of
+each shard index compare their weight digests among themselves (one small all-reduce in their replica group; the
+status vector carries whether any group differed), and a disagreement is voted on within the replicas of the shard.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ class HSDP(FSDP):
         return None
 
     @property
-    def digest_slots(self) -> int:
+    def digest_keys(self) -> int:
         return self.mesh.shard_size
 
     @property
-    def digest_slot(self) -> int:
+    def digest_key(self) -> int:
         return self.mesh.shard_index

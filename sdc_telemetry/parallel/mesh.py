@@ -11,8 +11,8 @@ What each check compares (``parallel.coordinates``):
 - ``grad_local``: each FSDP parameter group's reduce-scatter input is tapped as in ``parallel.fsdp``: the local
   gradients of this rank's tensor-parallel shard, before the data-parallel reduction. ``grad_reduced``: the reduced
   shards are compared among the ranks that hold the same shard (same pp/dp_shard/cp/tp coordinate).
-- ``weights``: among the ``dp_replicate`` replicas of each shard key, one digest slot per key in the status vector
-  (the vector's size depends on the mesh's non-replicated dims, never on the number of replicas).
+- ``weights``: among the ``dp_replicate`` replicas of each shard key: their digests are compared within their
+  replica group, and the status vector carries one flag (its size does not depend on the mesh).
 - ``replay``: the ranks of a partner data-parallel replica recompute the origin replica's micro-batches together,
   every tp/cp coordinate at once (their tensor- and context-parallel collectives line up within the replica, the
   FSDP all-gathers across replicas), and each coordinate compares its local gradients and loss with the origin's
@@ -185,11 +185,11 @@ class MeshLayout(FSDP):
                 "nothing to compare and is off (a dp_replicate dimension of 2 or more adds replicas)")
 
     @property
-    def digest_slots(self) -> int:
+    def digest_keys(self) -> int:
         return int(self.coordinates.keys)
 
     @property
-    def digest_slot(self) -> int:
+    def digest_key(self) -> int:
         return int(self.coordinates.key_of[self.position])
 
     def describe(self) -> str:

@@ -358,7 +358,7 @@ class PipelineStageLayout(Layout):
 
     - ``group``/``ranks``: the whole world (the monitor's one status all-reduce spans every stage), not the DDP
       process group or FSDP mesh; ``shard_of`` (one class per position: stage, and shard index for FSDP2),
-      ``digest_slots`` (stages x shards) and ``digest_slot`` give each (stage, shard) its own weight-digest slot,
+      ``digest_keys`` (stages x shards) and ``digest_key`` give each (stage, shard) its own digest replica group,
       and ``weight_classes`` compares weights only among the replicas of the same (stage, shard), as HSDP does for
       shards;
     - ``weight_replicas``: DDP stages with several replicas, HSDP stages; not a 1-D FSDP2 stage (no replica of a
@@ -462,11 +462,11 @@ class PipelineStageLayout(Layout):
         return "one data-parallel replica per stage: weight and replay checks need several and are off"
 
     @property
-    def digest_slots(self) -> int:
+    def digest_keys(self) -> int:
         return self.coordinate.stages * self._shards
 
     @property
-    def digest_slot(self) -> int:
+    def digest_key(self) -> int:
         return self._slot
 
     def weight_classes(self, classes: Sequence[int] | None) -> list[Any] | None:

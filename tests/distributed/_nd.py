@@ -64,7 +64,16 @@ def build(shape: tuple[int, ...], names: tuple[str, ...], sequence_parallel: boo
     torch.manual_seed(0)
     model = Model()
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    tp = mesh["tp"]
+    if "tp" in names:
+        _tensor_parallel(model, mesh["tp"], sequence_parallel)
+    dp = mesh[tuple(n for n in names if n.startswith("dp"))]
+    for block in (model.b1, model.b2):
+        fully_shard(block, mesh=dp)
+    fully_shard(model, mesh=dp)
+    return model, mesh
+
+
+def _tensor_parallel(model: nn.Module, tp: Any, sequence_parallel: bool) -> None:
     if sequence_parallel:
         parallelize_module(model, tp, {
             "b1": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
@@ -76,11 +85,6 @@ def build(shape: tuple[int, ...], names: tuple[str, ...], sequence_parallel: boo
             plan = {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
                     "down": RowwiseParallel(output_layouts=Shard(1))}
         parallelize_module(block, tp, plan)
-    dp = mesh[tuple(n for n in names if n.startswith("dp"))]
-    for block in (model.b1, model.b2):
-        fully_shard(block, mesh=dp)
-    fully_shard(model, mesh=dp)
-    return model, mesh
 
 
 def _dp_index(mesh: Any) -> int:

@@ -110,7 +110,7 @@ def run_case(rank: int, mesh: Any, kind: str, schedule_cls: Any, rerun_at: int |
     torch.manual_seed(7 + rank)  # dropout draws differ per rank: the rerun must take the origin's RNG state
     out: dict[str, Any] = {"losses": [], "reduced_plain": [], "mismatch": [], "taps": [], "rerun": None,
                            "coordinate": layout.coordinate.as_dict(), "shard_of": layout.shard_of,
-                           "slots": (layout.digest_slots, layout.digest_slot),
+                           "slots": (layout.digest_keys, layout.digest_key),
                            "weight_replicas": layout.weight_replicas, "replicas": layout.replicas}
     for step in range(STEPS):
         step_now[0] = step

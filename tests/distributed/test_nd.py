@@ -26,6 +26,9 @@ SMALL = ((1, 2, 2), ("dp_replicate", "dp_shard", "tp"))
 SMALL_SCENARIOS = {
     # a healthy step's bytes: step 1 would audit step 0's update (update_every follows replay_every): off here
     "bytes": {"config": {"replay_every": 1000, "update_every": 0}, "steps": 4, "count_bytes": True},
+    # two replicas of a mesh with 2 shard keys (HSDP, dp_shard 2), against HSDP_TP's 4 keys on 8 ranks
+    "bytes_replicas": {"config": {"replay_every": 1000, "update_every": 0}, "steps": 4, "count_bytes": True,
+                       "shape": (2, 2), "names": ("dp_replicate", "dp_shard")},
     "sequence_parallel": {"config": {"replay_every": 2}, "steps": 4, "shape": (2, 2), "names": ("dp_shard", "tp"),
                           "sequence_parallel": True},
     "fsdp_tp": {"config": {"replay_every": 2}, "steps": 4, "shape": (2, 2), "names": ("dp_shard", "tp"),
@@ -100,13 +103,24 @@ def test_fsdp_tp_compute_fault_found_by_replay_with_an_explicit_mesh(small: dict
     assert small["fsdp_tp"][0]["layout"].startswith("dp_shard x tp")
 
 
-def test_nd_healthy_step_bytes_do_not_grow_with_world_size(hsdp_tp: dict[str, Any], small: dict[str, Any]) -> None:
-    """The same N-D layout at W=4 and W=8 (one and two replicas of a dp_shard 2 x tp 2 model): the monitor's
-    collectives move the same bytes per rank on a healthy step (one fixed-size agreement, per-coordinate slots)."""
-    big, little = hsdp_tp["bytes"][0]["bytes"], small["bytes"][0]["bytes"]
+def test_nd_healthy_step_bytes_do_not_grow_with_world_size_or_shard_keys(hsdp_tp: dict[str, Any],
+                                                                          small: dict[str, Any]) -> None:
+    """Two replicas at W=8 with 4 shard keys (dp_shard 2 x tp 2) and at W=4 with 2 (HSDP, dp_shard 2): the monitor's
+    collectives move the same bytes per rank on a healthy step, the fixed-size agreement (17 int64 fields, as
+    [v, ~v]) and the digest compared within the shard's replicas (two int64). Without replicas (W=4, dp_shard 2 x
+    tp 2) there is no weight vote: the agreement alone."""
+    big, little = hsdp_tp["bytes"][0]["bytes"], small["bytes_replicas"][0]["bytes"]
     assert big and big == little, (big, little)
-    assert all(r["bytes"] == big for r in hsdp_tp["bytes"])
-    assert big["calls"] == 1 and set(big) == {"all_reduce", "calls"}
+    assert all(r["bytes"] == big for r in [*hsdp_tp["bytes"], *small["bytes_replicas"]])
+    assert big == {"all_reduce": 2 * 8 * 17 + 2 * 8, "calls": 2}, big
+    assert all(r["bytes"] == {"all_reduce": 2 * 8 * 17, "calls": 1} for r in small["bytes"]), small["bytes"][0]
+
+
+def test_the_digest_groups_of_a_small_mesh_agree_on_healthy_steps(small: dict[str, Any]) -> None:
+    """The 2-key mesh's digest groups (ranks {0, 2} and {1, 3}) see no difference on healthy steps."""
+    for r in small["bytes_replicas"]:
+        assert r["incidents"] == [] and r["errors"] == []
+        assert r["counts"]["weights"] == {"pass": 4}, r["counts"]
 
 
 def test_sequence_parallel_norms_replay_as_fsdp_reduces_them(small: dict[str, Any]) -> None:
