@@ -173,7 +173,7 @@ class SDCMonitor:
                                    self.device, self.mode, self.config.tolerance, self.config.replay_every,
                                    recompute=layout.recompute if layout.lockstep else None, every_step=triggers,
                                    units=layout.replay_units(), rerun=getattr(layout, "rerun", None),
-                                   classes=classes) \
+                                   classes=classes, outputs=layout.stage_outputs()) \
             if replicas and (self.config.replay_every or triggers) and (loss_fn is not None or layout.pipelined) \
             else None
         if self._replay is not None and self._replay.alone and self._writer:

@@ -63,7 +63,8 @@ class ReplayCheck:
                  tolerance: float | str, every: int, recompute: Recompute | None = None,
                  every_step: bool = False, units: tuple[list[int], list[int]] | None = None,
                  coordinate_of: Callable[[int], dict[str, int] | None] | None = None,
-                 rerun: Callable[..., Any] | None = None, classes: Sequence[int] | None = None) -> None:
+                 rerun: Callable[..., Any] | None = None, classes: Sequence[int] | None = None,
+                 outputs: Any = None) -> None:
         if loss_fn is None and rerun is None:
             raise ValueError("replay needs loss_fn(module, batch) -> scalar loss")
         self._params = [p for _, p in named_params]
@@ -118,6 +119,12 @@ class ReplayCheck:
         self._margins: dict[tuple[int, int], float] = {}  # mismatching (replayer, origin) -> delta / threshold
         self._rerun_margins: dict[int, float] = {}  # positions that did not reproduce themselves -> delta / threshold
         self._pending: tuple[frozenset[int], int] | None = None  # a narrow persistent finding waiting for a repeat
+        # Pipelines: each stage's forward outputs on scheduled audits (``parallel.pipeline.StageOutputs``), compared
+        # with the origin's to name the stage that computed wrongly; per mismatching pair and per position that did
+        # not reproduce itself, whether the stage's outputs differed (1), matched (0) or were not compared (-1).
+        self._outputs = outputs
+        self._output_marks: dict[tuple[int, int], int] = {}
+        self._rerun_output_marks: dict[int, int] = {}
 
     @property
     def tolerance(self) -> float:
@@ -145,9 +152,15 @@ class ReplayCheck:
         self._micro = []
         self._micro_step = step
         self._capturing = self.due(step) or self._every_step
+        if self._outputs is not None:
+            self._outputs.take()  # whatever an earlier step left unread
+            if self.due(step):
+                self._outputs.start()
 
     def close(self) -> None:
         self._hook.remove()
+        if self._outputs is not None:
+            self._outputs.close()
         self._micro = []
         self._previous = (-1, [])
 
@@ -241,6 +254,7 @@ class ReplayCheck:
         tolerance sketch). Every rank calls it at the same step."""
         self.errors, self.error_text = [], ""
         self._margins, self._rerun_margins = {}, {}
+        self._output_marks, self._rerun_output_marks = {}, {}
         micro = [m for m in self._micro if m.loss is not None and m.batch is not None]
         self._micro, self._capturing = [], False
         world = len(self._ranks)
@@ -252,7 +266,8 @@ class ReplayCheck:
         self._audits += 0 if triggered else 1
 
         mine = {"micro": micro, "fp": local_fp, "norms": local_norms.detach().float().cpu(),
-                "sketch": local_sketch.detach().cpu() if local_sketch is not None and not triggered else None}
+                "sketch": local_sketch.detach().cpu() if local_sketch is not None and not triggered else None,
+                "outputs": self._outputs.take() if self._outputs is not None else None}
         outcome = Outcome(world)
         if calibrate:  # before comparing, so the first audit already uses a measured threshold
             self._calibrate(mine)
@@ -271,6 +286,7 @@ class ReplayCheck:
         if self.errors:
             return None, measured
         suspects, why = attribute(outcome, self._replica_of)
+        suspects, stage = self._first_wrong_stage(suspects, why)
         if self._unconfirmed(suspects, why, outcome, refereed=referee is not None):
             return None, measured
         if why.get("fault") == "unfaithful":  # most ranks cannot reproduce themselves: replay is wrong, not hardware
@@ -293,6 +309,8 @@ class ReplayCheck:
             "deltas": self._last_deltas,
             "verdict": "transient" if why.get("fault") == "transient" else "persistent",
         })
+        if stage is not None:
+            evidence["stage"], evidence["stage_found_by"] = stage
         if len(suspects) > 1 and not evidence.get("ambiguous") and len({self._hosts[p] for p in suspects}) > 1:
             # One replica is wrong, but its coordinates share activations and gradients through tensor, context or
             # pipeline collectives: a fault on one spreads to the others, so which host computed it is not known.
@@ -431,7 +449,7 @@ class ReplayCheck:
         replayer_of_mine = self._pairs.replayer(self._pos, shift)
         theirs = self._exchange(mine, send_to=replayer_of_mine, recv_from=origin)
         if self._lockstep is not None and not self._recomputable(theirs):
-            row = torch.tensor([0, bits(math.nan), bits(math.nan), 1, -1], dtype=torch.int64)
+            row = torch.tensor([0, bits(math.nan), bits(math.nan), 1, -1, -1], dtype=torch.int64)
         else:
             row = self._compare(theirs, theirs["fp"] if theirs is not None else 0)
         measured = Measurement(self._ranks[origin], unbits(int(row[1])), unbits(int(row[2])), bool(row[0])) \
@@ -460,6 +478,7 @@ class ReplayCheck:
             if r[0] == 1:
                 edges.append((p, o))
                 self._margins[(p, o)] = unbits(r[4]) if r[4] >= 0 else math.inf
+                self._output_marks[(p, o)] = r[5]
                 if len(self._last_deltas) < MAX_ITEMS:
                     self._last_deltas[f"{self._ranks[p]}->{self._ranks[o]}"] = {
                         "loss": json_float(unbits(r[1])), "grad": json_float(unbits(r[2]))}
@@ -527,13 +546,14 @@ class ReplayCheck:
 
     def _self_round(self, mine: dict[str, Any]) -> dict[int, bool]:
         if self._lockstep is not None and not self._recomputable(mine):
-            rows = gather_rows(torch.tensor([0, 0, 0, 1, -1], dtype=torch.int64), self._group, self._wire)
+            rows = gather_rows(torch.tensor([0, 0, 0, 1, -1, -1], dtype=torch.int64), self._group, self._wire)
             self._collect_errors(rows)
             return {}
         row = self._compare(mine, mine["fp"])
         rows = gather_rows(row, self._group, self._wire)
         self._collect_errors(rows)
         self._rerun_margins = {p: unbits(r[4]) if r[4] >= 0 else math.inf for p, r in enumerate(rows) if r[0]}
+        self._rerun_output_marks = {p: r[5] for p, r in enumerate(rows) if r[0]}
         return {p: r[0] == 0 for p, r in enumerate(rows)}
 
     def _calibrate_across(self, largest_bits: Sequence[int]) -> None:
@@ -557,8 +577,9 @@ class ReplayCheck:
         self._threshold.rerun(sum_counts(histogram(delta), self._group, self._wire))
 
     def _compare(self, record: dict[str, Any] | None, recorded_fp: int | None) -> torch.Tensor:
-        """[mismatch, loss_delta_bits, grad_delta_bits, error] for recomputing ``record`` (tolerance mode: the deltas
-        per compared quantity are left in ``_features``)."""
+        """[mismatch, loss_delta_bits, grad_delta_bits, error, margin_bits, outputs] for recomputing ``record``
+        (``outputs``: a pipeline stage's outputs differed, 1, matched, 0, or were not compared, -1; tolerance mode:
+        the deltas per compared quantity are left in ``_features``)."""
         self._features = None
         try:
             if record is None:
@@ -566,7 +587,14 @@ class ReplayCheck:
             micro: list[MicroBatch] = record["micro"]
             if not micro:
                 raise RuntimeError("the origin rank captured no micro-batch for this audit step")
-            result = self._recomputer.run(micro)
+            recorded_outputs = record.get("outputs") if self._outputs is not None else None
+            if recorded_outputs is not None:
+                self._outputs.start()
+            try:
+                result = self._recomputer.run(micro)
+            finally:
+                got_outputs = self._outputs.take() if recorded_outputs is not None else None
+            outputs = self._outputs_differ(recorded_outputs, got_outputs)
             recorded_losses = _floats([m.loss for m in micro if m.loss is not None])  # one host copy
             loss_delta = max(_rel(a, b) for a, b in zip(result.losses, recorded_losses, strict=True))
             ref = record["norms"].double()
@@ -574,7 +602,8 @@ class ReplayCheck:
                 loss_delta, grad_delta = _alike_deltas(result, recorded_losses, ref)
                 limit = max(self.tolerance, AUTO_FLOOR)
                 mismatch = not (loss_delta <= limit and grad_delta <= limit)
-                return torch.tensor([int(mismatch), bits(loss_delta), bits(grad_delta), 0, -1], dtype=torch.int64)
+                return torch.tensor([int(mismatch), bits(loss_delta), bits(grad_delta), 0, -1, outputs],
+                                    dtype=torch.int64)
             got = result.norms.double().cpu()
             norm_delta = float(torch.linalg.vector_norm(got - ref) / max(float(torch.linalg.vector_norm(ref)), 1e-30))
             # Each parameter's norm relative to itself, and at least to its share of the whole gradient's norm (a
@@ -608,11 +637,54 @@ class ReplayCheck:
                               if not math.isnan(d)), default=0.0)
                 mismatch = margin > 1.0
                 self._features = features
-            return torch.tensor([int(mismatch), bits(loss_delta), bits(grad_delta), 0, bits(margin)],
+            return torch.tensor([int(mismatch), bits(loss_delta), bits(grad_delta), 0, bits(margin), outputs],
                                 dtype=torch.int64)
         except Exception as e:  # noqa: BLE001 - reported to every rank through the agreement
             self.error_text = f"{type(e).__name__}: {e}"
-            return torch.tensor([0, bits(math.nan), bits(math.nan), 1, -1], dtype=torch.int64)
+            return torch.tensor([0, bits(math.nan), bits(math.nan), 1, -1, -1], dtype=torch.int64)
+
+    def _outputs_differ(self, recorded: tuple[list[int], list[float]] | None,
+                        got: tuple[list[int], list[float]] | None) -> int:
+        """1 when this stage's recomputed outputs differ from the origin's recorded ones, 0 when they match, -1 when
+        either side recorded none. The last forwards of each side are compared, as many as the shorter has (a
+        schedule's first step runs one more forward before the micro-batches, to infer the stages' shapes). Exact
+        mode compares their fingerprints; tolerance mode each output's norm, relative, against the threshold of the
+        loss (the quantity nearest to a stage output)."""
+        n = min(len(recorded[0]), len(got[0])) if recorded is not None and got is not None else 0
+        if not n:
+            return -1
+        assert recorded is not None and got is not None
+        if self.mode == "exact":
+            return int(recorded[0][-n:] != got[0][-n:])
+        delta = max(_rel(a, b) for a, b in zip(got[1][-n:], recorded[1][-n:], strict=True))
+        return int(not delta <= self.thresholds[0])
+
+    def _first_wrong_stage(self, suspects: tuple[int, ...], why: dict[str, Any]
+                           ) -> tuple[tuple[int, ...], tuple[int, str] | None]:
+        """Pipelines: among a replica's suspect positions, those of the stage that computed wrongly, and (stage, how
+        it was found). A fault in stage s's forward changes the outputs of stages s and later (and, carried back by
+        backward, every stage's gradients): the first stage whose outputs differ. Outputs that all match (a fault
+        in a backward: it reaches the stages before it through the gradients it sends back, which are not
+        fingerprinted), or outputs not compared, leave the suspects as they are."""
+        if self._outputs is None or not suspects or why.get("ambiguous"):
+            return suspects, None
+        stage_of = self._outputs.stage_of
+        if why.get("fault") == "transient":
+            marks = {p: self._rerun_output_marks.get(p, -1) for p in suspects}
+        else:
+            marks = {}
+            for pair, mark in self._output_marks.items():  # a position's every comparison: differed if any did
+                for p in pair:
+                    if p in suspects:
+                        prev = marks.get(p, mark)
+                        marks[p] = -1 if -1 in (prev, mark) else max(prev, mark)
+        if len(marks) != len(suspects) or any(m < 0 for m in marks.values()):
+            return suspects, None
+        differ = [stage_of[p] for p, m in marks.items() if m == 1]
+        if not differ:
+            return suspects, None
+        stage = min(differ)
+        return tuple(p for p in suspects if stage_of[p] == stage), (stage, "output")
 
     def _collect_errors(self, rows: Sequence[Sequence[int]]) -> None:
         self.errors += [self._ranks[p] for p, r in enumerate(rows) if r[3] and self._ranks[p] not in self.errors]

@@ -162,6 +162,7 @@ def pack(record: dict[str, Any]) -> torch.Tensor:
         "norms": _cpu(record["norms"]),
         "sketch": _cpu(record.get("sketch")),
         "micro": micro,
+        "outputs": record.get("outputs"),  # a pipeline stage's (output digest, per-micro-batch output norms)
         "extra": record.get("extra"),  # plain values (numbers, lists, CPU tensors) a protocol adds: a late audit's
     }
     return to_bytes(plain)
@@ -195,7 +196,8 @@ def unpack(data: torch.Tensor, device: torch.device) -> dict[str, Any]:
                                                                       getattr(torch, m["autocast"][1])),
                          scale=m["scale"], loss=m["loss"]) for m in plain["micro"]]
     sk = plain.get("sketch")
-    return {"fp": plain["fp"], "norms": plain["norms"], "sketch": sk, "micro": micro, "extra": plain.get("extra")}
+    return {"fp": plain["fp"], "norms": plain["norms"], "sketch": sk, "micro": micro, "outputs": plain.get("outputs"),
+            "extra": plain.get("extra")}
 
 
 def exchange(mine: dict[str, Any], send_to: int, recv_from: int, group: Any, wire: torch.device,

@@ -175,6 +175,11 @@ class Layout:
         accumulated input by, None for none); other layouts are recomputed with plain autograd by the replay."""
         raise NotImplementedError(f"the {self.name} layout does not recompute in lockstep")
 
+    def stage_outputs(self) -> Any:
+        """Pipeline layouts: the recorder of this rank's stage outputs (``parallel.pipeline.StageOutputs``), with
+        which the replay names the first stage whose output differs; None elsewhere."""
+        return None
+
     def describe(self) -> str:
         return f"{self.name} over {self.world} rank(s)"
 

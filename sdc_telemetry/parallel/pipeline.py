@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from sdc_telemetry.core.collective import gather_rows, group_ranks
-from sdc_telemetry.core.fingerprint import fingerprint
+from sdc_telemetry.core.fingerprint import digest, fingerprint
 from sdc_telemetry.parallel.base import GradSink, Layout, LayoutError, world_ranks
 from sdc_telemetry.parallel.coordinates import Coordinates
 from sdc_telemetry.parallel.fsdp import local_shard
@@ -115,6 +115,56 @@ def stage_module(submod: torch.nn.Module) -> tuple[torch.nn.Module, str]:
                               "that are DDP-wrapped or fully_shard-ed over their data-parallel group only")
         return submod, "fsdp"
     return submod, "plain"
+
+
+class StageOutputs:
+    """What this rank's stage module computed in a step: the fingerprint of each micro-batch's forward output and its
+    norm, recorded while ``start()`` is in force (the origin's audited step, a partner's rerun of it). The replay
+    compares them stage by stage: a fault in one stage's forward changes its output and every later stage's, while
+    the gradients of every stage change (backward carries it back), so the first stage whose output differs is the
+    one that computed wrongly. ``stage_of``: every position's pipeline stage."""
+
+    def __init__(self, module: torch.nn.Module, stage_of: Sequence[int]) -> None:
+        self.stage_of = list(stage_of)
+        self._rows: list[torch.Tensor] | None = None
+        self._norms: list[torch.Tensor] = []
+        self._handle = module.register_forward_hook(self._on_output)
+
+    def start(self) -> None:
+        self._rows, self._norms = [], []
+
+    def take(self) -> tuple[list[int], list[float]] | None:
+        """(each forward's output fingerprint, folded to one word; each output's norm), in order, and stop recording;
+        None when nothing was recorded. One host read."""
+        rows, norms, self._rows, self._norms = self._rows, self._norms, None, []
+        if not rows:
+            return None
+        return torch.stack(rows).cpu().tolist(), torch.stack(norms).double().cpu().tolist()
+
+    def _on_output(self, _module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+        if self._rows is None:
+            return
+        tensors = [t.detach() for t in _tensors(output) if t.is_floating_point()]
+        if not tensors or any(t.is_meta for t in tensors):
+            return
+        with torch.no_grad():
+            self._rows.append(digest(fingerprint(tensors)))
+            self._norms.append(torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors])))
+
+    def close(self) -> None:
+        self._handle.remove()
+        self._rows = None
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
 
 
 @dataclass(frozen=True)
@@ -440,6 +490,7 @@ class PipelineStageLayout(Layout):
             sizes["dp_replicate"] = c.replicas
         mine = {d: v for d, v in c.as_dict().items() if d in sizes}
         self.coordinates = Coordinates.gather(sizes, mine, device)
+        self._outputs: StageOutputs | None = None
 
     # -- who holds what ------------------------------------------------------------------------------------------
 
@@ -499,6 +550,13 @@ class PipelineStageLayout(Layout):
             self._ddp.disable()
         if self._tap is not None:
             self._tap.enabled = False
+        if self._outputs is not None:
+            self._outputs.close()
+
+    def stage_outputs(self) -> StageOutputs:
+        if self._outputs is None:
+            self._outputs = StageOutputs(self.module, self.stage_of_position)
+        return self._outputs
 
     # -- reading tensors in place --------------------------------------------------------------------------------
 

@@ -74,11 +74,17 @@ def run_one(rank: int, replicas: int, sc: dict[str, Any]) -> dict[str, Any]:
     local = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
              for n, p in module.named_parameters()}
     return {"incidents": [(i.step, i.check, list(i.suspect_ranks), i.evidence.get("verdict"),
-                           i.evidence.get("coordinate"), bool(i.evidence.get("ambiguous")))
+                           i.evidence.get("coordinate"), bool(i.evidence.get("ambiguous")),
+                           [i.evidence["stage"], i.evidence["stage_found_by"]] if "stage" in i.evidence else None)
                           for i in (monitor.incidents if monitor else [])],
             "layout": monitor.layout.describe() if monitor else None,
             "counts": recorder.counts(), "errors": recorder.errors, "losses": losses, "weights": local,
             "bytes": {k: v // max(steps - 1, 1) for k, v in tally.items()}}
+
+
+def stage_hosts(rank: int) -> dict[str, str]:
+    """Each pipeline stage on a host of its own (rank r runs stage r % 2): every replica spans two hosts."""
+    return {"SDC_HOST_NAME": f"node{rank % 2}"}
 
 
 def run_pp(rank: int, world: int, scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -8,7 +8,7 @@ import pytest
 
 from sdc_telemetry.testing import spawn_ranks
 
-from ._pp import run_pp
+from ._pp import run_pp, stage_hosts
 from ._scenarios import VERDICTS, on_path
 
 SCENARIOS = {
@@ -26,9 +26,10 @@ SCENARIOS = {
 
 @pytest.fixture(scope="module", params=VERDICTS)
 def pp(request: pytest.FixtureRequest) -> dict[str, Any]:
-    """One spawn of 6 ranks: 2 pipeline stages x 3 data-parallel replicas, every scenario in turn, once per verdict
-    path."""
-    results = spawn_ranks(run_pp, 6, (on_path(list(SCENARIOS.values()), request.param),), timeout=600)
+    """One spawn of 6 ranks: 2 pipeline stages x 3 data-parallel replicas, each stage on a host of its own, every
+    scenario in turn, once per verdict path."""
+    results = spawn_ranks(run_pp, 6, (on_path(list(SCENARIOS.values()), request.param),), timeout=600,
+                          rank_env=stage_hosts)
     return dict(zip(SCENARIOS, zip(*results, strict=True), strict=True))
 
 
@@ -56,24 +57,26 @@ def test_pp_dp_healthy_run_counts_every_check_and_changes_nothing(pp: dict[str, 
 def test_pp_dp_weight_flip_named_with_stage_and_replica(pp: dict[str, Any]) -> None:
     """A bit flipped in rank 3's (stage 1, replica 1) weights: voted among the three replicas of stage 1, and seen
     at rest by rank 3 itself."""
-    assert _same(pp["flip"]) == [(2, "weights", [3], "at_rest", {"pp": 1, "dp_replicate": 1}, False)]
+    assert _same(pp["flip"]) == [(2, "weights", [3], "at_rest", {"pp": 1, "dp_replicate": 1}, False, None)]
 
 
-def test_pp_dp_compute_fault_found_by_replaying_the_schedule(pp: dict[str, Any]) -> None:
+def test_pp_dp_compute_fault_found_by_replaying_the_schedule_and_named_at_its_stage(pp: dict[str, Any]) -> None:
     """A compute fault in stage 0 of replica 1 (rank 2) changes both stages' gradients and the loss of that replica:
-    the partner replica's rerun of its schedule step, with the referee round, names replica 1's ranks at the first
-    audit that runs (step 3: the step-0 audit of a DDP stage is skipped, see above)."""
-    step, check, suspects, verdict, coordinate, ambiguous = _same(pp["compute"])[0]
-    assert (step, check, suspects, verdict) == (3, "replay", [2, 3], "persistent")
-    assert coordinate == {"pp": 0, "dp_replicate": 1} and not ambiguous
+    the partner replica's rerun of its schedule step, with the referee round, finds replica 1 at the first audit
+    that runs (step 3: the step-0 audit of a DDP stage is skipped, see above), and the stage outputs name stage 0,
+    the first whose output differs: rank 2 alone, on its host, not an ambiguous page across the replica's two."""
+    step, check, suspects, verdict, coordinate, ambiguous, stage = _same(pp["compute"])[0]
+    assert (step, check, suspects, verdict) == (3, "replay", [2], "persistent")
+    assert coordinate == {"pp": 0, "dp_replicate": 1} and not ambiguous and stage == [0, "output"]
 
 
 def test_pp_fsdp_stages_replay_passes_and_finds_a_compute_fault(pp: dict[str, Any]) -> None:
     """fully_shard-ed stages under 1F1B: healthy audits pass on every rank (every replica reruns at once, its
-    all-gathers lining up), and a compute fault on rank 5 (stage 1, replica 2) is named with its replica."""
+    all-gathers lining up), and a compute fault on rank 5 (stage 1, replica 2) is named at its stage: rank 5
+    alone, stage 1's output being the first that differs."""
     for r in pp["fsdp"]:
         assert r["incidents"] == [] and r["errors"] == []
         assert r["counts"]["replay"] == {"pass": 2} and r["counts"]["grad_local"] == {"pass": 4}
-    step, check, suspects, _, coordinate, _ = _same(pp["fsdp_compute"])[0]
-    assert (step, check) == (0, "replay") and 5 in suspects and set(suspects) <= {4, 5}
+    step, check, suspects, _, coordinate, ambiguous, stage = _same(pp["fsdp_compute"])[0]
+    assert (step, check, suspects, stage) == (0, "replay", [5], [1, "output"]) and not ambiguous
     assert coordinate is not None and coordinate["dp_shard"] == 2
