@@ -64,27 +64,24 @@ def build(shape: tuple[int, ...], names: tuple[str, ...], sequence_parallel: boo
     torch.manual_seed(0)
     model = Model()
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    if "tp" in names:
-        _tensor_parallel(model, mesh["tp"], sequence_parallel)
+    if "tp" in names:  # an HSDP mesh (dp dims only) has no tensor parallelism
+        tp = mesh["tp"]
+        if sequence_parallel:
+            parallelize_module(model, tp, {
+                "b1": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                         use_local_output=True),
+                "b2": PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),))})
+        for block in (model.b1, model.b2):
+            plan: dict[str, Any] = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+            if sequence_parallel:
+                plan = {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+                        "down": RowwiseParallel(output_layouts=Shard(1))}
+            parallelize_module(block, tp, plan)
     dp = mesh[tuple(n for n in names if n.startswith("dp"))]
     for block in (model.b1, model.b2):
         fully_shard(block, mesh=dp)
     fully_shard(model, mesh=dp)
     return model, mesh
-
-
-def _tensor_parallel(model: nn.Module, tp: Any, sequence_parallel: bool) -> None:
-    if sequence_parallel:
-        parallelize_module(model, tp, {
-            "b1": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                     use_local_output=True),
-            "b2": PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),))})
-    for block in (model.b1, model.b2):
-        plan: dict[str, Any] = {"up": ColwiseParallel(), "down": RowwiseParallel()}
-        if sequence_parallel:
-            plan = {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
-                    "down": RowwiseParallel(output_layouts=Shard(1))}
-        parallelize_module(block, tp, plan)
 
 
 def _dp_index(mesh: Any) -> int:
