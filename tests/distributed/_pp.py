@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import sdc_telemetry as sdc
 from sdc_telemetry.faults import FaultInjector
+from sdc_telemetry.testing import emulate_gpu_numerics
 
 from ._pipeline import build
 from ._pipeline import loss_fn as loss_fn
@@ -41,6 +42,8 @@ def run_one(rank: int, replicas: int, sc: dict[str, Any]) -> dict[str, Any]:
     schedule = schedule_cls(stage, MICRO, loss_fn=loss_fn)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
     faults = FaultInjector(module, opt)
+    if sc.get("noise"):  # GPU-like run-to-run noise in every layer's output (tolerance mode's setting)
+        emulate_gpu_numerics(module, noise=sc["noise"], seed=100 + rank)
     for kind, args in sc.get("faults", {}).items():
         if args["rank"] == rank:  # the stage modules differ: only the target rank's names the parameter
             getattr(faults, kind)(**args)

@@ -18,6 +18,9 @@ SCENARIOS = {
              "faults": {"flip_weight_bit": {"rank": 3, "step": 2, "param": "2.weight", "index": 3, "bit": 12}}},
     "compute": {"config": {"replay_every": 3}, "steps": 4,
                 "faults": {"perturb_output": {"rank": 2, "step": 0, "module": "0", "relative": 1e-3}}},
+    "tolerance_compute": {"config": {"replay_every": 3, "mode": "tolerance", "tolerance": 1e-3}, "steps": 4,
+                          "noise": 1e-6,
+                          "faults": {"perturb_output": {"rank": 2, "step": 0, "module": "0", "relative": 1e-2}}},
     "fsdp": {"config": {"replay_every": 2}, "steps": 4, "kind": "fsdp"},
     "fsdp_compute": {"config": {"replay_every": 2}, "steps": 3, "kind": "fsdp",
                      "faults": {"perturb_output": {"rank": 5, "step": 0, "module": "0", "relative": 1e-3}}},
@@ -68,6 +71,15 @@ def test_pp_dp_compute_fault_found_by_replaying_the_schedule_and_named_at_its_st
     step, check, suspects, verdict, coordinate, ambiguous, stage = _same(pp["compute"])[0]
     assert (step, check, suspects, verdict) == (3, "replay", [2], "persistent")
     assert coordinate == {"pp": 0, "dp_replicate": 1} and not ambiguous and stage == [0, "output"]
+
+
+def test_pp_tolerance_mode_under_gpu_noise_names_the_stage_by_its_output_norms(pp: dict[str, Any]) -> None:
+    """Tolerance mode (what GPUs use), every layer's output noisy by 1e-6 per run: the same fault, 1e-2 in stage 0 of
+    replica 1, is named at stage 0 from the stage outputs' norms (stage 0's differ beyond the threshold, so do the
+    later stage's; the healthy replicas' differ by noise only), rank 2 alone."""
+    step, check, suspects, verdict, coordinate, ambiguous, stage = _same(pp["tolerance_compute"])[0]
+    assert (step, check, suspects, verdict, stage) == (3, "replay", [2], "persistent", [0, "output"])
+    assert coordinate == {"pp": 0, "dp_replicate": 1} and not ambiguous
 
 
 def test_pp_fsdp_stages_replay_passes_and_finds_a_compute_fault(pp: dict[str, Any]) -> None:
