@@ -21,7 +21,7 @@ import sdc_telemetry as sdc
 from sdc_telemetry.accelerate import SDCAccelerate
 from sdc_telemetry.faults import FaultInjector
 
-from ._ranks import ResultCounter, summary
+from ._ranks import ResultCounter, each_in_turn, summary
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -119,8 +119,4 @@ def train(config: sdc.SDCConfig | None, *, steps: int = 4, accumulate: int = 2, 
 
 def run(rank: int, world: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     logging.getLogger("accelerate").setLevel(logging.ERROR)
-    out = []
-    for kwargs in runs:
-        out.append(train(**kwargs))
-        dist.barrier()
-    return out
+    return each_in_turn(train, runs)

@@ -6,8 +6,11 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch.distributed as dist
 
 import sdc_telemetry as sdc
 
@@ -21,6 +24,15 @@ class ResultCounter(sdc.Observer):
     def report(self, report: sdc.StepReport) -> None:
         for check, result in report.results.items():
             self.results[check, result] += 1
+
+
+def each_in_turn(train: Callable[..., dict[str, Any]], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``train(**kwargs)`` for each run in turn, every rank together (a barrier after each)."""
+    out = []
+    for kwargs in runs:
+        out.append(train(**kwargs))
+        dist.barrier()
+    return out
 
 
 def launcher_env(world: int) -> Any:

@@ -15,7 +15,7 @@ import sdc_telemetry as sdc
 from sdc_telemetry.faults import flip_bit
 from sdc_telemetry.transformers import SDCTrainer
 
-from ._ranks import ResultCounter, summary
+from ._ranks import ResultCounter, each_in_turn, summary
 
 
 class FlipWeightBit(TrainerCallback):
@@ -91,8 +91,4 @@ def train(config: sdc.SDCConfig, *, accumulate: int = 1, steps: int = 4, flip: t
 def run(rank: int, world: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     transformers.logging.set_verbosity_error()
     logging.getLogger("accelerate").setLevel(logging.ERROR)
-    out = []
-    for kwargs in runs:
-        out.append(train(**kwargs))
-        dist.barrier()
-    return out
+    return each_in_turn(train, runs)
