@@ -23,6 +23,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ from sdc_telemetry.checks.update import UpdateAudit
 from sdc_telemetry.checks.weights import WeightsCheck
 from sdc_telemetry.core import status as S
 from sdc_telemetry.core.certificate import WeightCertificate, format_fingerprint
-from sdc_telemetry.core.collective import collective_device, shard_replicas
+from sdc_telemetry.core.collective import collective_device
 from sdc_telemetry.core.config import SDCConfig
 from sdc_telemetry.core.episodes import Episodes
 from sdc_telemetry.core.findings import Finding
@@ -157,8 +158,7 @@ class SDCMonitor:
                                      local=layout.local, optimizer=voted_state) if layout.weight_replicas else None
         # Sharded replicas compare their digests within each shard's replica group first, so that the step's
         # agreement has the same size at any mesh (core/status.py).
-        self._digest_group = shard_replicas(layout.digest_key, self._ranks, layout.group, self.device)[0] \
-            if self._weights is not None and layout.digest_keys else None
+        self._digest_group = layout.digest_group if self._weights is not None and layout.digest_keys else None
         # Each rank's own tensors between the update and the weight check: where no replica holds them, and to
         # referee two replicas (checks/at_rest.py).
         self._at_rest = AtRestCheck([n for n, _ in every], [p for _, p in every], optimizer, layout.local) \
@@ -443,7 +443,9 @@ class SDCMonitor:
         had_grad = [p.grad is not None for p in self._params]
         if self._replay is not None:
             self._replay.pipeline_batch((inputs, target, kwargs))
-        losses: list[torch.Tensor] | None = layout.step(*inputs, target=target, **kwargs)  # type: ignore[attr-defined]
+        with self._replay.stage_outputs() if self._replay is not None else nullcontext():
+            losses: list[torch.Tensor] | None = layout.step(*inputs, target=target,  # type: ignore[attr-defined]
+                                                            **kwargs)
         loss = pipeline_loss(losses, self.device)
         self.record_loss(loss, 1.0, None)
         if self._replay is not None:
@@ -461,6 +463,14 @@ class SDCMonitor:
             raise RuntimeError("step.finite needs the gradient checks: SDCConfig(grad_checks=True)")
         high, _ = self._ended.agreement.result()
         return not (high[S.LOCAL_NONFINITE] or high[S.REDUCED_NONFINITE])
+
+    def discard_step(self) -> None:
+        """Close the open step unchecked, on every rank alike (a loop that ended inside an accumulation window):
+        unlike ``abandon_step``, the monitor's later collectives (``close()`` settling a deferred verdict) run."""
+        self._open = False
+        self._next_step = self._step + 1
+        if self._replay is not None:
+            self._replay.drop()
 
     def abandon_step(self) -> None:
         """The step's block raised on this rank: no checks (the other ranks' collectives cannot be matched)."""

@@ -27,6 +27,8 @@ class StepDriver(Protocol):
 
     def abandon_step(self) -> None: ...
 
+    def discard_step(self) -> None: ...
+
     def end_step(self) -> None: ...
 
     def step_finite(self, index: int) -> bool: ...
@@ -101,6 +103,14 @@ class StepContext:
         self._active = False
         self._done = True
         self._monitor.end_step()
+
+    def discard(self) -> None:
+        """Close the step without checking it, every rank alike: a loop that ends inside a gradient-accumulation
+        window (its gradients were never reduced). The monitor goes on normally (``close()`` still settles)."""
+        self._require_active("discard")
+        self._active = False
+        self._done = True
+        self._monitor.discard_step()
 
     @property
     def finite(self) -> bool:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +124,7 @@ class ReplayCheck:
         # with the origin's to name the stage that computed wrongly; per mismatching pair and per position that did
         # not reproduce itself, whether the stage's outputs differed (1), matched (0) or were not compared (-1).
         self._outputs = outputs
+        self._step_outputs: tuple[list[int], list[float]] | None = None  # this step's, when recorded
         self._output_marks: dict[tuple[int, int], int] = {}
         self._rerun_output_marks: dict[int, int] = {}
 
@@ -152,10 +154,20 @@ class ReplayCheck:
         self._micro = []
         self._micro_step = step
         self._capturing = self.due(step) or self._every_step
-        if self._outputs is not None:
-            self._outputs.take()  # whatever an earlier step left unread
-            if self.due(step):
-                self._outputs.start()
+        self._step_outputs = None
+
+    @contextmanager
+    def stage_outputs(self) -> Iterator[None]:
+        """Around a pipeline stage's schedule step: on a scheduled audit step, records the stage's forward outputs
+        (and nothing else: not a late audit's rerun, not an evaluation)."""
+        recording = self._outputs is not None and self.due(self._micro_step)
+        if recording:
+            self._outputs.start()
+        try:
+            yield
+        finally:
+            if recording:
+                self._step_outputs = self._outputs.take()
 
     def close(self) -> None:
         self._hook.remove()
@@ -267,7 +279,8 @@ class ReplayCheck:
 
         mine = {"micro": micro, "fp": local_fp, "norms": local_norms.detach().float().cpu(),
                 "sketch": local_sketch.detach().cpu() if local_sketch is not None and not triggered else None,
-                "outputs": self._outputs.take() if self._outputs is not None else None}
+                "outputs": self._step_outputs}
+        self._step_outputs = None
         outcome = Outcome(world)
         if calibrate:  # before comparing, so the first audit already uses a measured threshold
             self._calibrate(mine)
@@ -680,10 +693,14 @@ class ReplayCheck:
                         marks[p] = -1 if -1 in (prev, mark) else max(prev, mark)
         if len(marks) != len(suspects) or any(m < 0 for m in marks.values()):
             return suspects, None
-        differ = [stage_of[p] for p, m in marks.items() if m == 1]
+        differ = {stage_of[p] for p, m in marks.items() if m == 1}
         if not differ:
             return suspects, None
         stage = min(differ)
+        # What a forward fault makes: stage s and every later stage differ, the stages before it do not. Any other
+        # pattern (noise over the threshold on an early stage, in tolerance mode) narrows nothing.
+        if differ != {stage_of[p] for p in suspects if stage_of[p] >= stage}:
+            return suspects, None
         return tuple(p for p in suspects if stage_of[p] == stage), (stage, "output")
 
     def _collect_errors(self, rows: Sequence[Sequence[int]]) -> None:

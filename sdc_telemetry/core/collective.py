@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["collective_device", "agree", "disagreement", "wait_work", "sum_counts", "gather_rows", "gather_objects",
-           "gather_ragged", "group_ranks", "shard_replicas", "Agreement"]
+           "gather_ragged", "group_ranks", "Agreement"]
 
 
 def collective_device(group: dist.ProcessGroup | None, device: torch.device | None = None) -> torch.device:
@@ -92,16 +92,6 @@ def disagreement(value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     both = torch.cat([v, torch.bitwise_not(v)]).to(collective_device(group, v.device))
     wait_work(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True))
     return (both[0] != torch.bitwise_not(both[1])).to(device=value.device, dtype=torch.int64)
-
-
-def shard_replicas(key: int, ranks: Sequence[int], group: dist.ProcessGroup | None, device: torch.device
-                  ) -> tuple[dist.ProcessGroup, int]:
-    """The process group of the ranks (of ``group``, global ``ranks`` by position) whose ``key`` is this rank's, and
-    how many they are. Set-up only: every rank of ``group`` calls it once (one all-gather of the keys); each rank
-    then makes only its own group (``use_local_synchronization``), so set-up does not grow with the key count."""
-    keys = [row[0] for row in gather_rows(torch.tensor([key], dtype=torch.int64), group, device)]
-    members = [r for r, k in zip(ranks, keys, strict=True) if k == key]
-    return dist.new_group(members, use_local_synchronization=True), len(members)
 
 
 def wait_work(work: Any) -> None:

@@ -37,6 +37,7 @@ on every rank at the same step.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -154,7 +155,9 @@ class SDCAccelerate:
         return self.monitor.incidents
 
     def close(self) -> None:
-        """Give ``accelerator.backward`` back and close the monitor (an open step is abandoned). Idempotent."""
+        """Give ``accelerator.backward`` back and close the monitor. Idempotent. A step still open (the loop ended
+        inside an accumulation window, the same on every rank) is discarded unchecked; on an exception path it is
+        abandoned (no collective)."""
         current = vars(self.accelerator).get("backward")
         if getattr(current, "__sdc_accelerate__", None) is self:
             if self._own_backward:
@@ -163,7 +166,10 @@ class SDCAccelerate:
                 del self.accelerator.backward  # the class's method again
         step, self._step = self._step, None
         if step is not None and not self.monitor.closed:
-            step.__exit__(RuntimeError, None, None)
+            if sys.exc_info()[0] is None:
+                step.discard()
+            else:
+                step.__exit__(RuntimeError, None, None)
         self.monitor.close()
 
     def __enter__(self) -> SDCAccelerate:

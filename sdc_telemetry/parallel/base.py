@@ -109,6 +109,12 @@ class Layout:
     def digest_key(self) -> int:
         return 0
 
+    @property
+    def digest_group(self) -> dist.ProcessGroup | None:
+        """With ``digest_keys``: the process group of the ranks that hold this rank's shard (its replicas), in which
+        their digests are compared; an existing group of the layout, never one made for the monitor."""
+        return None
+
     def weight_classes(self, classes: Sequence[int] | None) -> list[Any] | None:
         """Per position, the class of ranks whose weights must be bit-identical (numerics signature, shard)."""
         return list(classes) if classes is not None else None

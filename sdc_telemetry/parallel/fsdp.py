@@ -279,6 +279,10 @@ class FSDP(Layout):
     def weight_replicas(self) -> bool:
         return False
 
+    @property
+    def digest_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.replicate_group  # the replicas of this rank's shard (HSDP, N-D meshes); None on a 1-D mesh
+
     def weights_off_reason(self) -> str | None:
         return ("a 1-D FSDP mesh holds no replica of any shard: the weight check has nothing to compare and is off "
                 "(HSDP, a (replicate, shard) mesh, has replicas)")

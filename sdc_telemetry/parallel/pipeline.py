@@ -520,6 +520,13 @@ class PipelineStageLayout(Layout):
     def digest_key(self) -> int:
         return self._slot
 
+    @property
+    def digest_group(self) -> dist.ProcessGroup | None:
+        """The replicas of this stage (DDP: its data-parallel group) or of its shard (HSDP: the replicate group)."""
+        if self.kind == "fsdp":
+            return self._fsdp.replicate_group  # type: ignore[no-any-return]
+        return self.coordinate.dp_group if self.kind == "ddp" else None
+
     def weight_classes(self, classes: Sequence[int] | None) -> list[Any] | None:
         """Per position: (numerics class, stage x shard): weights are compared among replicas of the same stage
         (and shard) only."""

@@ -178,3 +178,29 @@ def test_modes_that_run_their_own_backward_are_refused_by_name(accelerator: Any,
     with pytest.raises(ValueError, match=kind.name):
         SDCAccelerate(accelerator, model, optimizer, loss_fn=_loss, config=sdc.SDCConfig(**QUIET))
     assert "backward" not in vars(accelerator)
+
+
+def test_a_loop_that_ends_inside_an_accumulation_window_still_settles_the_last_step(accelerator: Any) -> None:
+    """gradient_accumulation_steps=2 and three micro-batches, verdicts read one step later: close() discards the
+    half window (its gradients were never reduced) and still settles step 0's verdict, which an abandoned step would
+    have dropped (no report, and no SDCDetected from it)."""
+    accelerator.gradient_accumulation_steps = 2
+    model, optimizer = _prepared(accelerator)
+    reports: list[int] = []
+
+    class Steps(sdc.Observer):
+        def report(self, report: sdc.StepReport) -> None:
+            reports.append(report.step)
+
+    run = SDCAccelerate(accelerator, model, optimizer, loss_fn=_loss, observer=Steps(),
+                        config=sdc.SDCConfig(verdicts="deferred", **QUIET))
+    for _ in range(3):
+        batch = torch.randn(3, 4)
+        with accelerator.accumulate(model):
+            run.micro_batch(batch)
+            accelerator.backward(_loss(model, batch))
+            optimizer.step()
+            optimizer.zero_grad()
+    assert reports == []  # step 0 ended; its verdict waits for the next step
+    run.close()
+    assert reports == [0] and run.monitor.closed

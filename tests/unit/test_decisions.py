@@ -299,3 +299,46 @@ def test_replay_partners_share_a_numerics_class() -> None:
                             classes=[1, 1, 1, 1, 2, 2])
     assert rp.alone == (4, 5)
     assert [rp.origin(pos, rp.shifts[0]) for pos in range(6)] == [2, 3, 0, 1, 4, 5]
+
+
+class _Stages:
+    """The part of parallel.pipeline.StageOutputs the replay's stage rule reads."""
+
+    def __init__(self, stage_of: list[int]) -> None:
+        self.stage_of = stage_of
+
+
+def _stage_rule(stage_of: list[int], marks: dict[tuple[int, int], int], suspects: tuple[int, ...],
+                why: dict[str, object] | None = None, rerun: dict[int, int] | None = None
+                ) -> tuple[tuple[int, ...], object]:
+    from sdc_telemetry.checks.replay import ReplayCheck
+
+    check = ReplayCheck.__new__(ReplayCheck)  # the rule reads three fields; no process group needed
+    check._outputs, check._output_marks, check._rerun_output_marks = _Stages(stage_of), marks, rerun or {}
+    return check._first_wrong_stage(suspects, why or {"fault": "persistent", "ambiguous": False})
+
+
+# Four stages, three replicas; position = replica * 4 + stage. Replica 1 (positions 4..7) is the suspect.
+FOUR = [0, 1, 2, 3] * 3
+
+
+def test_stage_rule_names_the_first_stage_of_a_forward_fault() -> None:
+    """Stage 2 of replica 1 computes wrongly: the outputs of stages 2 and 3 differ in both of its comparisons, the
+    earlier stages' match; every stage's gradients differ (all four positions suspects): position 6 alone."""
+    marks = {(p, q): int(FOUR[p] >= 2) for p, q in [(0, 4), (1, 5), (2, 6), (3, 7), (4, 8), (5, 9), (6, 10), (7, 11)]}
+    assert _stage_rule(FOUR, marks, (4, 5, 6, 7)) == ((6,), (2, "output"))
+
+
+def test_stage_rule_narrows_nothing_it_cannot_explain() -> None:
+    """Patterns a forward fault cannot make leave the suspects as they are: a differing stage before a matching one
+    (noise over the threshold in tolerance mode), every output alike (a backward fault), an output not compared, and
+    an ambiguous finding. A transient fault uses the positions' own reruns."""
+    pairs = [(0, 4), (1, 5), (2, 6), (3, 7)]
+    gap = {pq: int(FOUR[pq[0]] in (0, 3)) for pq in pairs}
+    assert _stage_rule(FOUR, gap, (4, 5, 6, 7)) == ((4, 5, 6, 7), None)
+    assert _stage_rule(FOUR, dict.fromkeys(pairs, 0), (4, 5, 6, 7)) == ((4, 5, 6, 7), None)
+    unknown = {**{pq: 1 for pq in pairs}, (3, 7): -1}
+    assert _stage_rule(FOUR, unknown, (4, 5, 6, 7)) == ((4, 5, 6, 7), None)
+    assert _stage_rule(FOUR, dict.fromkeys(pairs, 1), (4, 5, 6, 7), {"ambiguous": True}) == ((4, 5, 6, 7), None)
+    rerun = {4: 0, 5: 1, 6: 1, 7: 1}
+    assert _stage_rule(FOUR, {}, (4, 5, 6, 7), {"fault": "transient"}, rerun) == ((5,), (1, "output"))
