@@ -11,7 +11,7 @@ The monitor asks its layout and never the model's type. A layout answers:
   None when every rank holds whole tensors), ``weight_replicas`` (some other rank holds a copy of every tensor
   this rank holds, so the weight vote has something to compare) and ``digest_keys``/``digest_key`` (how many
   distinct shards there are and which one this rank holds: the replicas of a shard compare their weight digests
-  among themselves, in a process group of their own, before the step's agreement);
+  among themselves, in the layout's replica group ``digest_group``, before the step's agreement);
 - **how a tensor is read in place**: ``local(t)`` (this rank's share, never a collective: what the weight
   fingerprint and the reduced-gradient norm read) and ``whole(named)`` (whole tensors for a certificate, one at a
   time);
