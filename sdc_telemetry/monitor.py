@@ -50,7 +50,7 @@ from sdc_telemetry.core.identity import RankIdentity, numerics_signature
 from sdc_telemetry.core.incident import Incident, SDCDetected, root_cause
 from sdc_telemetry.core.setup import agree_setup
 from sdc_telemetry.measure import Measured, StepMeasurer
-from sdc_telemetry.parallel import layout_for
+from sdc_telemetry.parallel import LayoutError, layout_for
 from sdc_telemetry.sinks import Sinks
 from sdc_telemetry.sinks.observer import Observer, ReplayDeltas, StepReport
 from sdc_telemetry.step import NO_BATCH, StepContext
@@ -159,6 +159,9 @@ class SDCMonitor:
         # Sharded replicas compare their digests within each shard's replica group first, so that the step's
         # agreement has the same size at any mesh (core/status.py).
         self._digest_group = layout.digest_group if self._weights is not None and layout.digest_keys else None
+        if self._weights is not None and layout.digest_keys and self._digest_group is None:
+            raise LayoutError(f"the {layout.name} layout holds replicas of sharded tensors but names no process group "
+                              "of a shard's replicas (Layout.digest_group) to compare their weights in")
         # Each rank's own tensors between the update and the weight check: where no replica holds them, and to
         # referee two replicas (checks/at_rest.py).
         self._at_rest = AtRestCheck([n for n, _ in every], [p for _, p in every], optimizer, layout.local) \
