@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,14 +160,12 @@ class ReplayCheck:
     def stage_outputs(self) -> Iterator[None]:
         """Around a pipeline stage's schedule step: on a scheduled audit step, records the stage's forward outputs
         (and nothing else: not a late audit's rerun, not an evaluation)."""
-        recording = self._outputs is not None and self.due(self._micro_step)
-        if recording:
-            self._outputs.start()
-        try:
+        if self._outputs is None:
             yield
-        finally:
-            if recording:
-                self._step_outputs = self._outputs.take()
+            return
+        with self._outputs.recording(self.due(self._micro_step)) as got:
+            yield
+        self._step_outputs = got[0] if got else None
 
     def close(self) -> None:
         self._hook.remove()
@@ -601,13 +599,10 @@ class ReplayCheck:
             if not micro:
                 raise RuntimeError("the origin rank captured no micro-batch for this audit step")
             recorded_outputs = record.get("outputs") if self._outputs is not None else None
-            if recorded_outputs is not None:
-                self._outputs.start()
-            try:
+            with self._outputs.recording(recorded_outputs is not None) if self._outputs is not None \
+                    else nullcontext([]) as got:
                 result = self._recomputer.run(micro)
-            finally:
-                got_outputs = self._outputs.take() if recorded_outputs is not None else None
-            outputs = self._outputs_differ(recorded_outputs, got_outputs)
+            outputs = self._outputs_differ(recorded_outputs, got[0] if got else None)
             recorded_losses = _floats([m.loss for m in micro if m.loss is not None])  # one host copy
             loss_delta = max(_rel(a, b) for a, b in zip(result.losses, recorded_losses, strict=True))
             ref = record["norms"].double()

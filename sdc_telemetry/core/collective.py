@@ -44,10 +44,7 @@ class Agreement:
         # This rank's own float64 values (gradient norms for telemetry), read back with the verdict.
         self._local = local.detach().to(torch.float64) if local is not None else torch.zeros(0, dtype=torch.float64)
         vec = vec.to(torch.int64)
-        both = torch.cat([vec, torch.bitwise_not(vec)])
-        if distributed:
-            both = both.to(collective_device(group, vec.device))
-            wait_work(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True))
+        both = _max_and_not_min(vec, group) if distributed else torch.cat([vec, torch.bitwise_not(vec)])
         self._event: torch.cuda.Event | None = None
         if both.is_cuda or self._local.is_cuda:
             host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
@@ -88,10 +85,15 @@ def disagreement(value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """1 (a 0-d int64 tensor on ``value``'s device) where the ranks of ``group`` hold different values of the 0-d or
     one-element int64 ``value``, else 0: the MAX of ``[v, ~v]`` over the group, compared on the device, so the host
     never waits for it on a GPU. Collective over ``group``."""
-    v = value.reshape(1).to(torch.int64)
-    both = torch.cat([v, torch.bitwise_not(v)]).to(collective_device(group, v.device))
-    wait_work(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True))
+    both = _max_and_not_min(value.reshape(1).to(torch.int64), group)
     return (both[0] != torch.bitwise_not(both[1])).to(device=value.device, dtype=torch.int64)
+
+
+def _max_and_not_min(vec: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``[MAX(v), ~MIN(v)]`` over the group from one all-reduce of ``[v, ~v]`` with MAX, on the group's device."""
+    both = torch.cat([vec, torch.bitwise_not(vec)]).to(collective_device(group, vec.device))
+    wait_work(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True))
+    return both
 
 
 def wait_work(work: Any) -> None:

@@ -36,7 +36,6 @@ on every rank at the same step.
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -52,8 +51,6 @@ from sdc_telemetry.step import StepContext
 __all__ = ["SDCAccelerate"]
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
-
-log = logging.getLogger("sdc_telemetry")
 
 # Accelerate's DistributedType values this integration refuses, with why.
 _REFUSED = {

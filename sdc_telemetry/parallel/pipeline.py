@@ -130,16 +130,21 @@ class StageOutputs:
         self._norms: list[torch.Tensor] = []
         self._handle = module.register_forward_hook(self._on_output)
 
-    def start(self) -> None:
-        self._rows, self._norms = [], []
-
-    def take(self) -> tuple[list[int], list[float]] | None:
-        """(each forward's output fingerprint, folded to one word; each output's norm), in order, and stop recording;
-        None when nothing was recorded. One host read."""
-        rows, norms, self._rows, self._norms = self._rows, self._norms, None, []
-        if not rows:
-            return None
-        return torch.stack(rows).cpu().tolist(), torch.stack(norms).double().cpu().tolist()
+    @contextmanager
+    def recording(self, on: bool = True) -> Iterator[list[tuple[list[int], list[float]] | None]]:
+        """Records the forwards inside the block (when ``on``); afterwards the yielded list holds (each forward's
+        output fingerprint, folded to one word; each output's norm), in order, or None when nothing was recorded.
+        One host read at the end."""
+        got: list[tuple[list[int], list[float]] | None] = []
+        if on:
+            self._rows, self._norms = [], []
+        try:
+            yield got
+        finally:
+            if on:
+                rows, norms, self._rows, self._norms = self._rows, self._norms, None, []
+                got.append((torch.stack(rows).cpu().tolist(), torch.stack(norms).double().cpu().tolist())
+                           if rows else None)
 
     def _on_output(self, _module: torch.nn.Module, _inputs: Any, output: Any) -> None:
         if self._rows is None:
