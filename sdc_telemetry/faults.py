@@ -155,7 +155,9 @@ class FaultInjector:
                 action()
                 self.fired.append(what)
 
-        self._handles.append(self.model.register_forward_pre_hook(pre_forward))
+        # A list of pipeline stage modules (nn.ModuleList) is never called itself: its parts are, in turn.
+        called = list(self.model) if isinstance(self.model, torch.nn.ModuleList) else [self.model]
+        self._handles += [m.register_forward_pre_hook(pre_forward) for m in called]
 
     def nonfinite_grad(self, *, rank: int, step: int, param: str | None = None, index: int | None = None,
                        value: float = math.nan) -> None:

@@ -22,7 +22,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -77,7 +77,9 @@ class SDCMonitor:
 
     Construction, the end of every step, ``verify_weights()`` and ``certificate()`` are collective: every rank of
     the replica group calls them in the same order. ``start_step`` is the index of the first step (resume).
-    ``replica_group`` defaults to the DDP model's process group. ``mesh`` is the world DeviceMesh of an N-D model
+    ``replica_group`` defaults to the DDP model's process group. ``pipeline`` is a ``torch.distributed.pipelining``
+    schedule; ``model`` is then the rank's stage module, or its stage modules in local stage order (a list or
+    ``nn.ModuleList``) under an interleaved or looped schedule. ``mesh`` is the world DeviceMesh of an N-D model
     (tensor/context parallelism with FSDP2/HSDP, torchtitan's dim names); by default it comes from the parameters.
     If the model already needs a comm hook, pass it as
     ``comm_hook=`` (with ``comm_state=``) instead of registering it: the monitor wraps it. ``sinks`` replaces what
@@ -85,7 +87,7 @@ class SDCMonitor:
     ``registry``, ``meter_provider`` and ``nvml`` are handed to the telemetry the config builds.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module], optimizer: torch.optim.Optimizer,
                  loss_fn: LossFn | None = None, config: SDCConfig | None = None, *, start_step: int = 0,
                  replica_group: dist.ProcessGroup | None = None, comm_hook: Any = None, comm_state: Any = None,
                  mesh: Any = None, pipeline: Any = None, sinks: Sinks | None = None,

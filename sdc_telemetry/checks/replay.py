@@ -122,9 +122,10 @@ class ReplayCheck:
         self._pending: tuple[frozenset[int], int] | None = None  # a narrow persistent finding waiting for a repeat
         # Pipelines: each stage's forward outputs on scheduled audits (``parallel.pipeline.StageOutputs``), compared
         # with the origin's to name the stage that computed wrongly; per mismatching pair and per position that did
-        # not reproduce itself, whether the stage's outputs differed (1), matched (0) or were not compared (-1).
+        # not reproduce itself, which of its stages' outputs differed (a bit per local stage: 1 differed, 0 all
+        # matched) or -1 when they were not compared.
         self._outputs = outputs
-        self._step_outputs: tuple[list[int], list[float]] | None = None  # this step's, when recorded
+        self._step_outputs: tuple[list[int], list[float], list[int]] | None = None  # this step's, when recorded
         self._output_marks: dict[tuple[int, int], int] = {}
         self._rerun_output_marks: dict[int, int] = {}
 
@@ -589,7 +590,8 @@ class ReplayCheck:
 
     def _compare(self, record: dict[str, Any] | None, recorded_fp: int | None) -> torch.Tensor:
         """[mismatch, loss_delta_bits, grad_delta_bits, error, margin_bits, outputs] for recomputing ``record``
-        (``outputs``: a pipeline stage's outputs differed, 1, matched, 0, or were not compared, -1; tolerance mode:
+        (``outputs``: a bit per local pipeline stage whose outputs differed, 0 when all matched, -1 when they were
+        not compared; tolerance mode:
         the deltas per compared quantity are left in ``_features``)."""
         self._features = None
         try:
@@ -651,21 +653,30 @@ class ReplayCheck:
             self.error_text = f"{type(e).__name__}: {e}"
             return torch.tensor([0, bits(math.nan), bits(math.nan), 1, -1, -1], dtype=torch.int64)
 
-    def _outputs_differ(self, recorded: tuple[list[int], list[float]] | None,
-                        got: tuple[list[int], list[float]] | None) -> int:
-        """1 when this stage's recomputed outputs differ from the origin's recorded ones, 0 when they match, -1 when
-        either side recorded none. The last forwards of each side are compared, as many as the shorter has (a
-        schedule's first step runs one more forward before the micro-batches, to infer the stages' shapes). Exact
-        mode compares their fingerprints; tolerance mode each output's norm, relative, against the threshold of the
-        loss (the quantity nearest to a stage output)."""
-        n = min(len(recorded[0]), len(got[0])) if recorded is not None and got is not None else 0
-        if not n:
+    def _outputs_differ(self, recorded: tuple[list[int], list[float], list[int]] | None,
+                        got: tuple[list[int], list[float], list[int]] | None) -> int:
+        """Which of this rank's stages computed outputs that differ from the origin's recorded ones: bit k set for
+        local stage k (one stage per rank: 1 differs, 0 matches), -1 when a stage was not recorded on either side.
+        The last forwards of each stage are compared, as many as the shorter side has (a schedule's first step runs
+        one more forward before the micro-batches, to infer the stages' shapes). Exact mode compares their
+        fingerprints; tolerance mode each output's norm, relative, against the threshold of the loss (the quantity
+        nearest to a stage output)."""
+        if recorded is None or got is None or self._outputs is None:
             return -1
-        assert recorded is not None and got is not None
-        if self.mode == "exact":
-            return int(recorded[0][-n:] != got[0][-n:])
-        delta = max(_rel(a, b) for a, b in zip(got[1][-n:], recorded[1][-n:], strict=True))
-        return int(not delta <= self.thresholds[0])
+        mask = 0
+        for k in range(self._outputs.parts):
+            mine = [i for i, part in enumerate(recorded[2]) if part == k]
+            theirs = [i for i, part in enumerate(got[2]) if part == k]
+            n = min(len(mine), len(theirs))
+            if not n:
+                return -1
+            pairs = list(zip(mine[-n:], theirs[-n:], strict=True))
+            if self.mode == "exact":
+                differ = any(recorded[0][i] != got[0][j] for i, j in pairs)
+            else:
+                differ = not max(_rel(got[1][j], recorded[1][i]) for i, j in pairs) <= self.thresholds[0]
+            mask |= int(differ) << k
+        return mask
 
     def _first_wrong_stage(self, suspects: tuple[int, ...], why: dict[str, Any]
                            ) -> tuple[tuple[int, ...], tuple[int, str] | None]:
@@ -673,10 +684,11 @@ class ReplayCheck:
         it was found). A fault in stage s's forward changes the outputs of stages s and later (and, carried back by
         backward, every stage's gradients): the first stage whose outputs differ. Outputs that all match (a fault
         in a backward: it reaches the stages before it through the gradients it sends back, which are not
-        fingerprinted), or outputs not compared, leave the suspects as they are."""
+        fingerprinted), or outputs not compared, leave the suspects as they are. A position runs one stage, or
+        several under an interleaved schedule (its marks are a bit per local stage)."""
         if self._outputs is None or not suspects or why.get("ambiguous"):
             return suspects, None
-        stage_of = self._outputs.stage_of
+        stages_of = self._outputs.stages_of
         if why.get("fault") == "transient":
             marks = {p: self._rerun_output_marks.get(p, -1) for p in suspects}
         else:
@@ -685,18 +697,18 @@ class ReplayCheck:
                 for p in pair:
                     if p in suspects:
                         prev = marks.get(p, mark)
-                        marks[p] = -1 if -1 in (prev, mark) else max(prev, mark)
+                        marks[p] = -1 if -1 in (prev, mark) else prev | mark
         if len(marks) != len(suspects) or any(m < 0 for m in marks.values()):
             return suspects, None
-        differ = {stage_of[p] for p, m in marks.items() if m == 1}
+        differ = {s for p, m in marks.items() for k, s in enumerate(stages_of[p]) if m >> k & 1}
         if not differ:
             return suspects, None
         stage = min(differ)
         # What a forward fault makes: stage s and every later stage differ, the stages before it do not. Any other
         # pattern (noise over the threshold on an early stage, in tolerance mode) narrows nothing.
-        if differ != {stage_of[p] for p in suspects if stage_of[p] >= stage}:
+        if differ != {s for p in suspects for s in stages_of[p] if s >= stage}:
             return suspects, None
-        return tuple(p for p in suspects if stage_of[p] == stage), (stage, "output")
+        return tuple(p for p in suspects if stage in stages_of[p]), (stage, "output")
 
     def _collect_errors(self, rows: Sequence[Sequence[int]]) -> None:
         self.errors += [self._ranks[p] for p, r in enumerate(rows) if r[3] and self._ranks[p] not in self.errors]

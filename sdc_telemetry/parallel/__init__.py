@@ -3,8 +3,8 @@
 ``layout_for(model, ...)`` picks the adapter; the monitor then asks the layout (``parallel.base.Layout``) and never
 the model's type. Adapters: ``single`` (one process), ``ddp`` (DistributedDataParallel), ``fsdp`` (fully_shard on a
 1-D mesh), ``hsdp`` (fully_shard on a 2-D (replicate, shard) mesh), ``mesh`` (N-D: tensor and context parallelism
-with FSDP2/HSDP on one DeviceMesh), ``pipeline`` (one ``torch.distributed.pipelining`` stage per rank, its module
-DDP-wrapped or fully_shard-ed over its data-parallel group).
+with FSDP2/HSDP on one DeviceMesh), ``pipeline`` (``torch.distributed.pipelining`` stages, one or several per rank,
+their modules DDP-wrapped or fully_shard-ed over their data-parallel group).
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ from sdc_telemetry.parallel.base import GradSink, Layout, LayoutError
 __all__ = ["layout_for", "Layout", "LayoutError", "GradSink"]
 
 
-def layout_for(model: torch.nn.Module, *, replica_group: dist.ProcessGroup | None = None,
+def layout_for(model: Any, *, replica_group: dist.ProcessGroup | None = None,
                comm_hook: Any = None, comm_state: Any = None, mesh: Any = None, pipeline: Any = None) -> Layout:
     """The adapter for ``model``, or a clear error naming what is not supported and how to fix it."""
     initialised = dist.is_available() and dist.is_initialized()
+    if pipeline is not None and isinstance(model, (list, tuple)):
+        model = torch.nn.ModuleList(model) if all(isinstance(m, torch.nn.Module) for m in model) else model
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (DistributedDataParallel-wrapped across ranks), got "
                         f"{type(model).__name__}")
@@ -35,9 +37,15 @@ def layout_for(model: torch.nn.Module, *, replica_group: dist.ProcessGroup | Non
         from sdc_telemetry.parallel.pipeline import PipelineStageLayout
 
         layout = PipelineStageLayout(pipeline, mesh=mesh, comm_hook=comm_hook, comm_state=comm_state)
-        if model is not layout.model and model is not layout.module:
-            raise ValueError("with pipeline=schedule, model must be the schedule's stage module (the module of its "
-                             f"PipelineStage: {type(layout.model).__name__}), got {type(model).__name__}")
+        given = list(model) if isinstance(model, torch.nn.ModuleList) else [model]
+        runs = [(part, module) for part, module in zip(layout.parts, layout.stage_modules, strict=True)]
+        if len(given) != len(runs) or any(g is not part and g is not module
+                                          for g, (part, module) in zip(given, runs, strict=False)):
+            what = (f"the schedule's stage module (the module of its PipelineStage: {type(layout.parts[0]).__name__})"
+                    if len(runs) == 1 else f"the {len(runs)} stage modules this rank runs, in local stage order (a "
+                    "list or nn.ModuleList: torchtitan's model_parts)")
+            raise ValueError(f"with pipeline=schedule, model must be {what}; got "
+                             + (f"{len(given)} module(s)" if len(given) != len(runs) else "other modules"))
         return layout
     from sdc_telemetry.parallel import fsdp
     from sdc_telemetry.parallel import mesh as nd

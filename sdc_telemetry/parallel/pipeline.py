@@ -1,12 +1,14 @@
 """Pipeline stages (``torch.distributed.pipelining``) with data parallelism: the stage's coordinate, the step, the
 replay's rerun of a schedule step, and the Layout adapter of a stage.
 
-A rank runs one stage of a pipeline (``PipelineStage`` in a ``ScheduleGPipe`` or ``Schedule1F1B``), and the stage
-module is DDP-wrapped over its data-parallel group or ``fully_shard``-ed over it. A *replica* is one data-parallel
-index: the ranks of one pp group, one per stage. Ranks with the same stage index hold the same parameters (DDP) or
-the same shards of them (FSDP2), so weights are compared per stage (and shard) across the replicas, gradients are
-checked per rank, and the replay reruns a whole schedule step of one replica's micro-batches on the ranks of another
-(every stage at once: the stage-to-stage sends line up within the partner's pp group).
+A rank runs one stage of a pipeline (``PipelineStage`` in a ``ScheduleGPipe`` or ``Schedule1F1B``) or several
+(``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``: stage i on pp rank i mod pp), and each stage module is
+DDP-wrapped over its data-parallel group or ``fully_shard``-ed over it. A *replica* is one data-parallel index: the
+ranks of one pp group. Ranks with the same pp rank hold the same parameters (DDP) or the same shards of them (FSDP2),
+so weights are compared per pp rank (and shard) across the replicas, gradients are checked per rank (every local
+stage module tapped), and the replay reruns a whole schedule step of one replica's micro-batches on the ranks of
+another (every stage at once: the stage-to-stage sends line up within the partner's pp group). Each forward's output
+is fingerprinted with its stage index, so a forward fault is named at its stage even when a rank runs several.
 
 What torch 2.13's pipelining does with a step (read from its source, checked by the tests):
 
@@ -18,10 +20,14 @@ What torch 2.13's pipelining does with a step (read from its source, checked by 
   undivided sums.
 - DDP stage modules: every forward and every backward but the last run under ``no_sync()``; the stage calls
   ``reducer.prepare_for_backward`` itself before the last micro-batch's backward, so DDP's all-reduce (and a comm hook:
-  ``parallel.ddp``'s tap) runs once per step, during the last micro-batch's backward, on the accumulated local
-  gradients. Under ``ScheduleGPipe`` without ``find_unused_parameters=True`` the second step fails inside DDP's
-  bucket rebuild (``params_.size() == rebuilt_param_indices_.size() INTERNAL ASSERT FAILED``, reducer.cpp); with it,
-  the gradients are those of a plain all-reduce. ``Schedule1F1B`` runs without the flag.
+  ``parallel.ddp``'s tap) runs once per step and stage module, during its last micro-batch's backward, on the
+  accumulated local gradients. Under ``ScheduleGPipe`` and the multi-stage schedules, without
+  ``find_unused_parameters=True``, the second step fails inside DDP's bucket rebuild (``params_.size() ==
+  rebuilt_param_indices_.size() INTERNAL ASSERT FAILED``, reducer.cpp; the same without the monitor); with it, the
+  gradients are those of a plain all-reduce. ``Schedule1F1B`` runs without the flag.
+- Multi-stage schedules (``_PipelineScheduleRuntime``) run a per-rank action list: after a stage's last backward a
+  ``REDUCE_GRAD`` action calls its ``perform_reduce_grad`` (FSDP2's post-backward, then the division by the
+  micro-batch count), once per stage and step.
 - FSDP2 stage modules: each backward runs with gradient sync and resharding off; after the last one the schedule
   calls every parameter group's ``post_backward`` with sync on: one reduce-scatter per group per step
   (``parallel.fsdp``'s tap) of the accumulated unsharded gradients.
@@ -30,11 +36,12 @@ What torch 2.13's pipelining does with a step (read from its source, checked by 
   ``_internal_losses`` (emptied) and the first step's lazily built metadata (shapes of the stage's inputs and
   outputs: a rerun needs micro-batches of the same shapes).
 
-Covered: one stage per rank (``ScheduleGPipe``, ``Schedule1F1B``), stage modules DDP-wrapped (over the dp group) or
-``fully_shard``-ed on a 1-D dp mesh or a 2-D (replicate, shard) mesh, or plain modules when there is one replica.
-Refused by name: several stages per rank (interleaved and looped schedules), zero-bubble and DualPipe schedules
-(split input/weight backward), forward-only schedules and schedules without ``loss_fn``, custom schedules, a stage
-module that is neither DDP-wrapped nor fully_shard-ed with several replicas, a tensor- or context-parallel mesh.
+Covered: one stage per rank (``ScheduleGPipe``, ``Schedule1F1B``) or several (``ScheduleInterleaved1F1B``,
+``ScheduleLoopedBFS``), stage modules DDP-wrapped (over the dp group) or ``fully_shard``-ed on a 1-D dp mesh or a 2-D
+(replicate, shard) mesh, or plain modules when there is one replica. Refused by name: zero-bubble and DualPipe
+schedules (split input/weight backward), forward-only schedules and schedules without ``loss_fn``, custom or loaded
+schedules, a rank's stages out of the schedule's order or wrapped differently, a stage module that is neither
+DDP-wrapped nor fully_shard-ed with several replicas, a tensor- or context-parallel mesh.
 """
 
 from __future__ import annotations
@@ -54,11 +61,13 @@ from sdc_telemetry.parallel.base import GradSink, Layout, LayoutError, world_ran
 from sdc_telemetry.parallel.coordinates import Coordinates
 from sdc_telemetry.parallel.fsdp import local_shard
 
-__all__ = ["PipelineStageLayout", "StageCoordinate", "RerunResult", "stage_of", "stage_module", "coordinate",
+__all__ = ["PipelineStageLayout", "StageCoordinate", "RerunResult", "stages_of", "stage_module", "coordinate",
            "pipeline_step", "rerun", "rng_state", "SUPPORTED_SCHEDULES"]
 
-#: the schedules covered: one stage per rank, full backward per micro-batch
-SUPPORTED_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B")
+#: the schedules covered: full backward per micro-batch; one stage per rank, or several (interleaved, looped)
+SUPPORTED_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS")
+_SINGLE = ("ScheduleGPipe", "Schedule1F1B")
+_MULTI = ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS")
 _DP_DIMS = ("dp_replicate", "dp_shard", "dp")
 
 
@@ -68,34 +77,38 @@ def _schedules() -> Any:
     return schedules
 
 
-def stage_of(schedule: Any) -> Any:
-    """The one ``PipelineStage`` a supported schedule runs on this rank, or ``LayoutError`` naming what is not
-    covered (several stages per rank, zero-bubble, forward-only, no loss function, a custom schedule)."""
+def stages_of(schedule: Any) -> list[Any]:
+    """The ``PipelineStage``s a supported schedule runs on this rank, in local stage order (one for ``ScheduleGPipe``
+    and ``Schedule1F1B``, several for ``ScheduleInterleaved1F1B`` and ``ScheduleLoopedBFS``), or ``LayoutError``
+    naming what is not covered (zero-bubble and DualPipe, forward-only, no loss function, a custom schedule)."""
     s = _schedules()
     name = type(schedule).__name__
+    ours = type(schedule).__module__ == s.__name__
     if isinstance(schedule, s.PipelineScheduleMulti):
-        zero_bubble = ("ZeroBubble" in name or "ZBV" in name or "DualPipe" in name)
-        raise LayoutError(
-            f"{name} is not supported: "
-            + ("zero-bubble schedules split each backward into input and weight parts, so the local gradients "
-               "of a micro-batch are never complete in one place the monitor can tap" if zero_bubble else
-               "it runs several stages per rank (interleaved or looped), and the monitor taps and reruns one stage "
-               "module per rank")
-            + f"; use one of {', '.join(SUPPORTED_SCHEDULES)} with one PipelineStage per rank")
-    if not isinstance(schedule, s.PipelineScheduleSingle):
+        if "ZeroBubble" in name or "ZBV" in name or "DualPipe" in name:
+            raise LayoutError(f"{name} is not supported: zero-bubble and DualPipe schedules split each backward into "
+                              "input and weight parts, so the local gradients of a micro-batch are never complete in "
+                              f"one place the monitor can tap; use one of {', '.join(SUPPORTED_SCHEDULES)}")
+        if name not in _MULTI or not ours:
+            raise LayoutError(f"{name} is not supported: the monitor knows the actions of "
+                              f"{', '.join(SUPPORTED_SCHEDULES)} only (a custom or loaded schedule may split or "
+                              "reorder the backward it taps and reruns)")
+        stages = list(schedule._stages)
+    elif isinstance(schedule, s.PipelineScheduleSingle):
+        if name not in _SINGLE or not ours:
+            raise LayoutError(f"{name} is not supported: the monitor knows the micro-batch order of "
+                              f"{', '.join(SUPPORTED_SCHEDULES)} only (a forward-only or custom schedule has no "
+                              "backward it can tap or rerun)")
+        stages = [schedule._stage]
+    else:
         raise LayoutError(f"pipeline= needs a torch.distributed.pipelining schedule ({', '.join(SUPPORTED_SCHEDULES)}),"
                           f" got {name}")
-    if name not in SUPPORTED_SCHEDULES or type(schedule).__module__ != s.__name__:
-        raise LayoutError(f"{name} is not supported: the monitor knows the micro-batch order of "
-                          f"{', '.join(SUPPORTED_SCHEDULES)} only (a forward-only or custom schedule has no backward "
-                          "it can tap or rerun)")
     if getattr(schedule, "_loss_fn", None) is None:
         raise LayoutError(f"{name} was built without loss_fn: a forward-only pipeline has no gradients to check; "
                           "pass loss_fn=... to the schedule")
-    stage = schedule._stage
-    if getattr(stage, "dw_builder", None) is not None:
+    if any(getattr(stage, "dw_builder", None) is not None for stage in stages):
         raise LayoutError("a PipelineStage with dw_builder= (a deferred weight backward) is not supported")
-    return stage
+    return stages
 
 
 def stage_module(submod: torch.nn.Module) -> tuple[torch.nn.Module, str]:
@@ -107,7 +120,8 @@ def stage_module(submod: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     if fsdp.is_fully_sharded(submod):
         from torch.distributed.tensor import DTensor
 
-        meshes = {id(p.device_mesh): p.device_mesh for p in submod.parameters() if isinstance(p, DTensor)}
+        meshes = {(p.device_mesh.mesh_dim_names, tuple(p.device_mesh.mesh.flatten().tolist())): p.device_mesh
+                  for p in submod.parameters() if isinstance(p, DTensor)}  # equal meshes, not the same objects
         names = set().union(*(m.mesh_dim_names or () for m in meshes.values()))
         if len(meshes) > 1 or {"tp", "cp"} & names:
             raise LayoutError("tensor or context parallelism inside a pipeline stage (a stage module with DTensor "
@@ -117,48 +131,84 @@ def stage_module(submod: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     return submod, "plain"
 
 
-class StageOutputs:
-    """What this rank's stage module computed in a step: the fingerprint of each micro-batch's forward output and its
-    norm, recorded while ``start()`` is in force (the origin's audited step, a partner's rerun of it). The replay
-    compares them stage by stage: a fault in one stage's forward changes its output and every later stage's, while
-    the gradients of every stage change (backward carries it back), so the first stage whose output differs is the
-    one that computed wrongly. ``stage_of``: every position's pipeline stage."""
+def _stage_modules(stages: Sequence[Any]) -> tuple[list[torch.nn.Module], str]:
+    """Every local stage's unwrapped module, and their one data-parallel kind (the stages of a rank are wrapped
+    alike)."""
+    found = [stage_module(stage.submod) for stage in stages]
+    kinds = {kind for _, kind in found}
+    if len(kinds) > 1:
+        raise LayoutError(f"this rank's stage modules are wrapped differently ({sorted(kinds)}): wrap every stage "
+                          "module of a rank alike (all DDP, all fully_shard-ed)")
+    return [m for m, _ in found], found[0][1]
 
-    def __init__(self, module: torch.nn.Module, stage_of: Sequence[int]) -> None:
-        self.stage_of = list(stage_of)
+
+def _local_stages(schedule: Any, stages: Sequence[Any]) -> tuple[list[list[int]], int]:
+    """Every pp rank's stage indices (ascending) and this rank's pp rank, after checking that this rank holds
+    exactly the stages the schedule maps to it, in order. No collective."""
+    first = stages[0]
+    size, pp_rank, count = len(group_ranks(first.group)), dist.get_rank(first.group), first.num_stages
+    mapping = dict(getattr(schedule, "stage_index_to_group_rank", None) or {i: i for i in range(count)})
+    by_rank: list[list[int]] = [sorted(i for i, r in mapping.items() if r == q) for q in range(size)]
+    mine = [stage.stage_index for stage in stages]
+    if any((stage.group is not first.group and group_ranks(stage.group) != group_ranks(first.group))
+           or stage.num_stages != count for stage in stages) \
+            or len(mapping) != count or mine != by_rank[pp_rank] or any(len(b) != len(mine) for b in by_rank):
+        raise LayoutError(f"stages {mine} of {count} on pp-group rank {pp_rank} of {size}: the schedule maps stages "
+                          f"{by_rank[pp_rank] if pp_rank < len(by_rank) else []} here; give the schedule this rank's "
+                          "stages in ascending order, the same number on every pp rank")
+    return by_rank, pp_rank
+
+
+class StageOutputs:
+    """What this rank's stage modules computed in a step: per forward, its local stage, the fingerprint of its output
+    and the output's norm, recorded while ``recording()`` is in force (the origin's audited step, a partner's rerun of
+    it). The replay compares them stage by stage: a fault in one stage's forward changes its output and every later
+    stage's, while the gradients of every stage change (backward carries it back), so the first stage whose output
+    differs is the one that computed wrongly. ``stages_of``: every position's pipeline stage indices, in local stage
+    order (one per position, or several under an interleaved or looped schedule)."""
+
+    def __init__(self, modules: Sequence[torch.nn.Module], stages_of: Sequence[Sequence[int]]) -> None:
+        self.stages_of = [list(s) for s in stages_of]
+        self.parts = len(modules)
         self._rows: list[torch.Tensor] | None = None
         self._norms: list[torch.Tensor] = []
-        self._handle = module.register_forward_hook(self._on_output)
+        self._local: list[int] = []
+        self._handles = [m.register_forward_hook(self._hook(k)) for k, m in enumerate(modules)]
 
     @contextmanager
-    def recording(self, on: bool = True) -> Iterator[list[tuple[list[int], list[float]] | None]]:
+    def recording(self, on: bool = True) -> Iterator[list[tuple[list[int], list[float], list[int]] | None]]:
         """Records the forwards inside the block (when ``on``); afterwards the yielded list holds (each forward's
-        output fingerprint, folded to one word; each output's norm), in order, or None when nothing was recorded.
-        One host read at the end."""
-        got: list[tuple[list[int], list[float]] | None] = []
+        output fingerprint, folded to one word; each output's norm; each forward's local stage), in order, or None
+        when nothing was recorded. One host read at the end."""
+        got: list[tuple[list[int], list[float], list[int]] | None] = []
         if on:
-            self._rows, self._norms = [], []
+            self._rows, self._norms, self._local = [], [], []
         try:
             yield got
         finally:
             if on:
-                rows, norms, self._rows, self._norms = self._rows, self._norms, None, []
-                got.append((torch.stack(rows).cpu().tolist(), torch.stack(norms).double().cpu().tolist())
+                rows, norms, local = self._rows, self._norms, self._local
+                self._rows, self._norms, self._local = None, [], []
+                got.append((torch.stack(rows).cpu().tolist(), torch.stack(norms).double().cpu().tolist(), local)
                            if rows else None)
 
-    def _on_output(self, _module: torch.nn.Module, _inputs: Any, output: Any) -> None:
-        if self._rows is None:
-            return
-        tensors = [t.detach() for t in _tensors(output) if t.is_floating_point()]
-        if not tensors or any(t.is_meta for t in tensors):
-            return
-        with torch.no_grad():
-            self._rows.append(digest(fingerprint(tensors)))
-            self._norms.append(torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors])))
+    def _hook(self, k: int) -> Callable[..., None]:
+        def on_output(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+            if self._rows is None:
+                return
+            tensors = [t.detach() for t in _tensors(output) if t.is_floating_point()]
+            if not tensors or any(t.is_meta for t in tensors):
+                return
+            with torch.no_grad():
+                self._rows.append(digest(fingerprint(tensors)))
+                self._norms.append(torch.linalg.vector_norm(
+                    torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors])))
+            self._local.append(k)
+        return on_output
 
     def close(self) -> None:
-        self._handle.remove()
+        for h in self._handles:
+            h.remove()
         self._rows = None
 
 
@@ -174,31 +224,34 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 @dataclass(frozen=True)
 class StageCoordinate:
-    """Where this rank sits: its pipeline stage and its data-parallel index (its replica)."""
+    """Where this rank sits: its place in the pipeline (pp rank, and the stages it runs) and its data-parallel index
+    (its replica)."""
 
-    stage: int                              # pp stage index (= rank in the pp group)
-    stages: int                             # pipeline stages
-    pp_group: dist.ProcessGroup | None      # this replica's ranks, one per stage
+    stage: int                              # pp rank (= the stage index with one stage per rank)
+    stages: int                             # pp ranks (= pipeline stages with one stage per rank)
+    pp_group: dist.ProcessGroup | None      # this replica's ranks, one per pp rank
     dp: int                                 # data-parallel index: the replica
     replicas: int                           # data-parallel size
-    dp_group: dist.ProcessGroup | None      # the ranks of this stage in every replica (None: dp == 1 or unknown)
+    dp_group: dist.ProcessGroup | None      # the ranks of this pp rank in every replica (None: dp == 1 or unknown)
     dims: tuple[tuple[str, int], ...] = ()  # the coordinate as named mesh dims, for evidence
+    indices: tuple[int, ...] = ()           # the pipeline stages this rank runs, ascending (empty: just ``stage``)
 
     def as_dict(self) -> dict[str, int]:
-        """The coordinate for ``evidence["coordinate"]``, e.g. ``{"pp": 1, "dp_replicate": 0}``."""
+        """The coordinate for ``evidence["coordinate"]``, e.g. ``{"pp": 1, "dp_replicate": 0}`` (``pp``: the pp
+        rank)."""
         return {"pp": self.stage, **dict(self.dims)}
 
 
 def coordinate(schedule: Any, *, dp_group: dist.ProcessGroup | None = None, mesh: Any = None) -> StageCoordinate:
-    """This rank's stage and data-parallel index. The data-parallel group comes from ``mesh`` (a DeviceMesh with a
-    ``pp`` dim and one of ``dp_replicate``/``dp_shard``/``dp``), from ``dp_group``, or from the stage module (DDP's
-    process group, FSDP2's mesh). No collective."""
-    stage = stage_of(schedule)
-    submod, kind = stage_module(stage.submod)
+    """This rank's pp rank, stages and data-parallel index. The data-parallel group comes from ``mesh`` (a DeviceMesh
+    with a ``pp`` dim and one of ``dp_replicate``/``dp_shard``/``dp``), from ``dp_group``, or from the stage modules
+    (DDP's process group, FSDP2's mesh). No collective."""
+    stages = stages_of(schedule)
+    by_rank, pp_rank = _local_stages(schedule, stages)
+    stage = stages[0]
+    modules, kind = _stage_modules(stages)
     pp_ranks = group_ranks(stage.group)
-    if stage.num_stages != len(pp_ranks) or stage.stage_index != dist.get_rank(stage.group):
-        raise LayoutError(f"stage {stage.stage_index} of {stage.num_stages} on pp-group rank "
-                          f"{dist.get_rank(stage.group)} of {len(pp_ranks)}: one stage per rank, stage i on pp rank i")
+    indices = tuple(by_rank[pp_rank])
     dims: tuple[tuple[str, int], ...]
     if mesh is not None:
         names = tuple(mesh.mesh_dim_names or ())
@@ -218,9 +271,7 @@ def coordinate(schedule: Any, *, dp_group: dist.ProcessGroup | None = None, mesh
         else:
             dims = ()
     if kind == "fsdp":
-        from sdc_telemetry.parallel import fsdp
-
-        lay = fsdp.layout_of(submod)
+        lay = _fsdp_layout(modules)
         replicas = lay.shard_size * lay.replicas
         rep = dist.get_rank(lay.replicate_group) if lay.replicate_group is not None else 0
         dp = rep * lay.shard_size + lay.shard_index
@@ -230,16 +281,18 @@ def coordinate(schedule: Any, *, dp_group: dist.ProcessGroup | None = None, mesh
                               f"group has {dist.get_world_size(dp_group)}")
         if dp_group is None and not lay.hsdp:
             dp_group = lay.shard_group
-        return StageCoordinate(stage.stage_index, stage.num_stages, stage.group, dp, replicas, dp_group, dims)
+        return StageCoordinate(pp_rank, len(pp_ranks), stage.group, dp, replicas, dp_group, dims, indices)
     if kind == "ddp":
-        assert isinstance(stage.submod, DistributedDataParallel)
-        ddp_group = stage.submod.process_group
-        if dp_group is not None and group_ranks(dp_group) != group_ranks(ddp_group):
-            raise LayoutError(f"the stage module is DDP-wrapped over ranks {group_ranks(ddp_group)} but the "
-                              f"data-parallel group is {group_ranks(dp_group)}: wrap it over its data-parallel group")
-        dp_group = ddp_group
+        for st in stages:
+            assert isinstance(st.submod, DistributedDataParallel)
+            ddp_group = st.submod.process_group
+            if dp_group is not None and group_ranks(dp_group) != group_ranks(ddp_group):
+                raise LayoutError(f"the stage module is DDP-wrapped over ranks {group_ranks(ddp_group)} but the "
+                                  f"data-parallel group is {group_ranks(dp_group)}: wrap it over its data-parallel "
+                                  "group")
+            dp_group = ddp_group
     if dp_group is None:
-        return StageCoordinate(stage.stage_index, stage.num_stages, stage.group, 0, 1, None, ())
+        return StageCoordinate(pp_rank, len(pp_ranks), stage.group, 0, 1, None, (), indices)
     dp_ranks = group_ranks(dp_group)
     if set(dp_ranks) & set(pp_ranks) != {dist.get_rank()}:
         raise LayoutError(f"the data-parallel group {dp_ranks} and the pp group {pp_ranks} must meet in this rank "
@@ -247,7 +300,25 @@ def coordinate(schedule: Any, *, dp_group: dist.ProcessGroup | None = None, mesh
     dp = dist.get_rank(dp_group)
     if mesh is None:
         dims = (("dp_replicate", dp),)
-    return StageCoordinate(stage.stage_index, stage.num_stages, stage.group, dp, len(dp_ranks), dp_group, dims)
+    return StageCoordinate(pp_rank, len(pp_ranks), stage.group, dp, len(dp_ranks), dp_group, dims, indices)
+
+
+def _fsdp_layout(modules: Sequence[torch.nn.Module]) -> Any:
+    """The FSDP2 layout of a rank's fully_shard-ed stage modules: one module's, or several on the same mesh with
+    their parameter groups together (each stage module is its own fully_shard root, as torchtitan shards them)."""
+    from dataclasses import replace
+
+    from sdc_telemetry.parallel import fsdp
+
+    lays = [fsdp.layout_of(m) for m in modules]
+    first = lays[0]
+    for lay in lays[1:]:
+        if (group_ranks(lay.shard_group), lay.shard_index, lay.replicas) != \
+                (group_ranks(first.shard_group), first.shard_index, first.replicas) \
+                or (lay.replicate_group is None) != (first.replicate_group is None):
+            raise LayoutError("this rank's stage modules are fully_shard-ed on different meshes: shard every stage "
+                              "module of a rank on the same data-parallel mesh")
+    return first if len(lays) == 1 else replace(first, groups=tuple(g for lay in lays for g in lay.groups))
 
 
 def pipeline_step(schedule: Any, stage_is_first: bool, stage_is_last: bool, *inputs: Any, target: Any = None,
@@ -302,28 +373,33 @@ def _recv_buffers(stage: Any) -> list[torch.Tensor]:
 
 
 @contextmanager
-def _preserved(schedule: Any, stage: Any, module: torch.nn.Module, device: torch.device) -> Iterator[None]:
+def _preserved(schedule: Any, stages: Sequence[Any], modules: Sequence[torch.nn.Module], device: torch.device
+               ) -> Iterator[None]:
     """Everything a schedule step changes, as it was before, whatever happens: ``.grad`` (the same tensors), RNG,
-    buffers, the stage's caches and receive buffers, ``scale_grads`` and the stage module."""
-    params = list(module.parameters())
+    buffers, every local stage's caches and receive buffers, ``scale_grads`` and the stage modules."""
+    params = [p for m in modules for p in m.parameters()]
     grads = [p.grad for p in params]
     cpu_rng, dev_rng = rng_state(device)
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    recv = [(b, b.detach().clone(), b.grad) for b in _recv_buffers(stage)]
-    caches = {k: dict(getattr(stage, k)) for k in ("fwd_cache", "bwd_cache", "backward_state", "dw_runner")}
-    outputs = list(stage.output_chunks)
+    buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
+    recv = [(b, b.detach().clone(), b.grad) for stage in stages for b in _recv_buffers(stage)]
+    caches = [(stage, {k: dict(getattr(stage, k)) for k in ("fwd_cache", "bwd_cache", "backward_state", "dw_runner")})
+              for stage in stages]
+    kept = [(stage, list(stage.output_chunks), stage.submod, stage.has_backward) for stage in stages]
     internal = list(schedule._internal_losses)
-    scale, submod, has_backward = schedule.scale_grads, stage.submod, stage.has_backward
+    scale = schedule.scale_grads
     try:
         yield
     finally:
-        schedule.scale_grads, stage.submod, stage.has_backward = scale, submod, has_backward
+        schedule.scale_grads = scale
         schedule._internal_losses[:] = internal
-        stage.output_chunks[:] = outputs
-        for k, saved in caches.items():
-            d = getattr(stage, k)
-            d.clear()
-            d.update(saved)
+        for stage, outputs, submod, has_backward in kept:
+            stage.output_chunks[:] = outputs
+            stage.submod, stage.has_backward = submod, has_backward
+        for stage, saved_caches in caches:
+            for k, saved in saved_caches.items():
+                d = getattr(stage, k)
+                d.clear()
+                d.update(saved)
         with torch.no_grad():
             for b, saved_b in buffers:
                 b.copy_(saved_b)
@@ -341,27 +417,29 @@ def rerun(schedule: Any, *inputs: Any, target: Any = None, cpu_rng: torch.Tensor
           dev_rng: torch.Tensor | None = None, had_grad: Sequence[bool] | None = None,
           params: Sequence[torch.nn.Parameter] | None = None, autocast: tuple[bool, torch.dtype] | None = None,
           fsdp_layout: Any = None, **kwargs: Any) -> RerunResult:
-    """Rerun one schedule step for another replica's batch on this replica's ranks: every stage of this replica
-    calls it at once, with the origin's batch (``inputs`` are used on the first stage, ``target`` on the last) and
-    the origin's same stage's RNG states (``rng_state()`` before its step).
+    """Rerun one schedule step for another replica's batch on this replica's ranks: every rank of this replica
+    calls it at once, with the origin's batch (``inputs`` are used where stage 0 runs, ``target`` where the last
+    stage runs) and the origin's same pp rank's RNG states (``rng_state()`` before its step).
 
-    Guarantees: nothing is reduced across replicas (DDP: the stage runs the unwrapped module, so the reducer, its
+    Guarantees: nothing is reduced across replicas (DDP: each stage runs its unwrapped module, so the reducer, its
     comm hook and its bucket rebuild never see the rerun; FSDP2: gradient sync off and each unsharded gradient is
     taken and dropped as it is accumulated, so no reduce-scatter runs); ``.grad`` (the same tensors), RNG states,
-    buffers, the schedule's and the stage's state are as before; the next real step is bitwise that of a run
+    buffers, the schedule's and the stages' state are as before; the next real step is bitwise that of a run
     without the rerun. Gradients are accumulated as the stage's backward does (``had_grad``: parameters whose
     ``.grad`` existed before the origin's step, where autograd added into zeros) and are not divided by the
     micro-batch count: the bits the origin's tap recorded. A DDP stage's replica may rerun alone; an FSDP2 stage's
     all-gathers span the data-parallel group, so every replica reruns at once (each another's batch).
-    ``params``: whose gradients to return (default: the stage module's trainable parameters)."""
-    stage = stage_of(schedule)
-    module, kind = stage_module(stage.submod)
-    params = list(params) if params is not None else [p for p in module.parameters() if p.requires_grad]
-    device = torch.device(stage.device)
+    ``params``: whose gradients to return (default: the trainable parameters of every local stage module, in local
+    stage order)."""
+    stages = stages_of(schedule)
+    modules, kind = _stage_modules(stages)
+    params = list(params) if params is not None else [p for m in modules for p in m.parameters() if p.requires_grad]
+    device = torch.device(stages[0].device)
+    is_first, is_last = any(st.is_first for st in stages), any(st.is_last for st in stages)
     if had_grad is not None and len(had_grad) != len(params):
         raise ValueError(f"had_grad has {len(had_grad)} entries for {len(params)} parameters")
-    losses: list[torch.Tensor] | None = [] if stage.is_last else None
-    if stage.is_last and target is None:
+    losses: list[torch.Tensor] | None = [] if is_last else None
+    if is_last and target is None:
         raise ValueError("the last stage's rerun needs the origin's target=")
 
     def run() -> None:
@@ -369,10 +447,10 @@ def rerun(schedule: Any, *inputs: Any, target: Any = None, cpu_rng: torch.Tensor
             stack.enter_context(torch.enable_grad())
             if autocast is not None and autocast[0]:
                 stack.enter_context(torch.autocast(device.type, dtype=autocast[1]))
-            schedule.step(*(inputs if stage.is_first else ()), target=target if stage.is_last else None,
+            schedule.step(*(inputs if is_first else ()), target=target if is_last else None,
                           losses=losses, **kwargs)
 
-    with _preserved(schedule, stage, module, device):
+    with _preserved(schedule, stages, modules, device):
         schedule.scale_grads = False  # the undivided sums, as tapped; the real .grad is never divided again
         if cpu_rng is not None:
             torch.set_rng_state(cpu_rng)
@@ -381,9 +459,10 @@ def rerun(schedule: Any, *inputs: Any, target: Any = None, cpu_rng: torch.Tensor
         if kind == "fsdp":
             from sdc_telemetry.parallel import fsdp
 
-            for p in module.parameters():
-                p.grad = None  # the sharded gradients (restored after): nothing is reduced into them anyway
-            lay = fsdp_layout if fsdp_layout is not None else fsdp.layout_of(module)
+            for m in modules:
+                for p in m.parameters():
+                    p.grad = None  # the sharded gradients (restored after): nothing is reduced into them anyway
+            lay = fsdp_layout if fsdp_layout is not None else _fsdp_layout(modules)
             acc: list[torch.Tensor | None] = [None] * len(params)
             factors: list[float | None] = [None] * len(params)
 
@@ -398,7 +477,8 @@ def rerun(schedule: Any, *inputs: Any, target: Any = None, cpu_rng: torch.Tensor
                     g.div_(factor)  # FSDP divides the reduce-scatter input first (fp16): what the tap saw
             grads = acc
         else:
-            stage.submod = module  # DDP: no reducer, no comm hook, no bucket rebuild, no all-reduce
+            for stage, module in zip(stages, modules, strict=True):
+                stage.submod = module  # DDP: no reducer, no comm hook, no bucket rebuild, no all-reduce
             for i, p in enumerate(params):
                 p.grad = torch.zeros_like(p) if had_grad is not None and had_grad[i] else None
             run()
@@ -406,27 +486,57 @@ def rerun(schedule: Any, *inputs: Any, target: Any = None, cpu_rng: torch.Tensor
     return RerunResult([loss.detach() for loss in losses] if losses is not None else None, grads)
 
 
-class PipelineStageLayout(Layout):
-    """The Layout of one pipeline stage per rank, its module DDP-wrapped or fully_shard-ed over its data-parallel
-    group (or plain with one replica). It wraps the DDP or FSDP2 handling of the stage module; what differs from
-    those layouts:
+class _PartSink:
+    """The ``GradSink`` one of several stage modules on a rank taps into: its parameter indices offset to their
+    place among the rank's, its bucket keys kept apart from the other modules' (each stage module is its own DDP
+    with its own bucket indices)."""
 
+    def __init__(self, sink: GradSink, offset: int, part: int) -> None:
+        self._sink, self._offset, self._key = sink, offset, part << 24
+        norms = getattr(sink, "store_norms", None)
+        if norms is not None:  # DDP's tap leaves a healthy step's norms to its all-reduce where the sink takes them
+            self.store_norms = lambda index, values: norms([i + offset for i in index], values)
+
+    @property
+    def detail(self) -> bool:
+        return self._sink.detail
+
+    def note_call(self, key: int) -> None:
+        self._sink.note_call(self._key + key)
+
+    def store(self, index: list[int], grads: list[torch.Tensor], fp_grads: list[torch.Tensor] | None = None) -> None:
+        self._sink.store([i + self._offset for i in index], grads, fp_grads)
+
+    def fail(self) -> None:
+        self._sink.fail()
+
+    def measure_local(self) -> None:
+        self._sink.measure_local()
+
+
+class PipelineStageLayout(Layout):
+    """The Layout of the pipeline stages a rank runs (one, or several under an interleaved or looped schedule), their
+    modules DDP-wrapped or fully_shard-ed over their data-parallel group (or plain with one replica). It wraps the
+    DDP or FSDP2 handling of the stage modules; what differs from those layouts:
+
+    - ``module``: the stage module, or with several stages per rank an ``nn.ModuleList`` of them in local stage
+      order (parameter names ``"0.…"``, ``"1.…"``); ``parts``: the stage modules as the schedule runs them;
     - ``group``/``ranks``: the whole world (the monitor's one status all-reduce spans every stage), not the DDP
-      process group or FSDP mesh; ``shard_of`` (one class per position: stage, and shard index for FSDP2),
-      ``digest_keys`` (stages x shards) and ``digest_key`` give each (stage, shard) its own digest replica group,
-      and ``weight_classes`` compares weights only among the replicas of the same (stage, shard), as HSDP does for
+      process group or FSDP mesh; ``shard_of`` (one class per position: pp rank, and shard index for FSDP2),
+      ``digest_keys`` (pp ranks x shards) and ``digest_key`` give each (pp rank, shard) its own digest replica group,
+      and ``weight_classes`` compares weights only among the replicas of the same (pp rank, shard), as HSDP does for
       shards;
     - ``weight_replicas``: DDP stages with several replicas, HSDP stages; not a 1-D FSDP2 stage (no replica of a
       shard) nor a plain stage;
     - ``replicas``: several data-parallel replicas (the replay's partners), whatever the stage module's wrapping;
-    - ``install``/``after_backward``/``reduction_mismatch``/``disable``: DDP's comm hook (once per step, in the last
-      micro-batch's backward) or FSDP2's reduce-scatter tap (once per step, after the last backward), on the stage
-      module; a plain stage reads ``.grad`` after the step, already divided by the micro-batch count;
+    - ``install``/``after_backward``/``reduction_mismatch``/``disable``: each stage module's DDP comm hook (once per
+      step, in its last micro-batch's backward) or FSDP2 reduce-scatter tap (once per step, after its last
+      backward); a plain stage reads ``.grad`` after the step, already divided by the micro-batch count;
     - ``local``/``whole``: DDP: the tensors; FSDP2: ``to_local()``/``full_tensor()`` (collective within the stage's
       data-parallel group: every rank calls it at once);
     - ``lockstep`` is True and ``recompute(params, run_backward)`` refuses: a stage cannot run a micro-batch on its
       own (its inputs come from the previous stage), so the replay calls ``rerun(...)`` on every rank of the
-      partner replica at once, with the origin's batch and the origin's same-stage RNG states;
+      partner replica at once, with the origin's batch and the origin's same pp rank's RNG states;
     - ``coordinate``: this rank's ``StageCoordinate`` (``coordinate.as_dict()`` for the evidence).
 
     Construction is collective (one gather of every rank's coordinate over the world)."""
@@ -439,51 +549,57 @@ class PipelineStageLayout(Layout):
     def __init__(self, schedule: Any, *, dp_group: dist.ProcessGroup | None = None, mesh: Any = None,
                  comm_hook: Any = None, comm_state: Any = None) -> None:
         self.schedule = schedule
-        self.stage = stage_of(schedule)
-        submod = self.stage.submod
-        module, self.kind = stage_module(submod)
+        self.stages = stages_of(schedule)
+        self.parts = [stage.submod for stage in self.stages]
+        modules, self.kind = _stage_modules(self.stages)
         self.coordinate = coordinate(schedule, dp_group=dp_group, mesh=mesh)
         c = self.coordinate
         if self.kind == "plain" and c.replicas > 1:
-            raise LayoutError(f"the stage module ({type(submod).__name__}) has {c.replicas} data-parallel replicas "
-                              "but is neither DistributedDataParallel-wrapped over its data-parallel group nor "
-                              "fully_shard-ed: its gradients are never reduced, so replicas drift apart")
+            raise LayoutError(f"the stage module ({type(self.parts[0]).__name__}) has {c.replicas} data-parallel "
+                              "replicas but is neither DistributedDataParallel-wrapped over its data-parallel group "
+                              "nor fully_shard-ed: its gradients are never reduced, so replicas drift apart")
         if comm_hook is not None and self.kind != "ddp":
             raise ValueError("comm_hook= wraps a DDP all-reduce; this stage module is not DDP-wrapped")
-        self._ddp: Any = None
+        self._ddp: list[Any] = []
         self._fsdp: Any = None
         self._tap: Any = None
         shards, shard = 1, 0
         if self.kind == "ddp":
-            assert isinstance(submod, DistributedDataParallel)
-            if type(schedule).__name__ == "ScheduleGPipe" and not submod.find_unused_parameters:
-                raise LayoutError("a DDP-wrapped stage module under ScheduleGPipe needs "
-                                  "DistributedDataParallel(..., find_unused_parameters=True): without it torch 2.13 "
-                                  "fails at the second step in DDP's bucket rebuild (reducer.cpp INTERNAL ASSERT "
-                                  "params_.size() == rebuilt_param_indices_.size())")
             from sdc_telemetry.parallel.ddp import DDP
 
-            self._ddp = DDP(submod, comm_hook=comm_hook, comm_state=comm_state)
+            for submod in self.parts:
+                assert isinstance(submod, DistributedDataParallel)
+                name = type(schedule).__name__
+                if name != "Schedule1F1B" and not submod.find_unused_parameters:
+                    raise LayoutError(f"a DDP-wrapped stage module under {name} needs "
+                                      "DistributedDataParallel(..., find_unused_parameters=True): without it torch "
+                                      "2.13 fails at the second step in DDP's bucket rebuild (reducer.cpp INTERNAL "
+                                      "ASSERT params_.size() == rebuilt_param_indices_.size())")
+                self._ddp.append(DDP(submod, comm_hook=comm_hook, comm_state=comm_state))
         elif self.kind == "fsdp":
-            from sdc_telemetry.parallel import fsdp
-
-            self._fsdp = fsdp.layout_of(module)
+            self._fsdp = _fsdp_layout(modules)
             shards, shard = self._fsdp.shard_size, self._fsdp.shard_index
         self.reduces = self.kind != "plain"
         self._shards = shards
         self._slot = c.stage * shards + shard
         ranks, rank = world_ranks()
-        super().__init__(submod, module, None, ranks, rank)
+        module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
+        super().__init__(self.parts[0] if len(self.parts) == 1 else torch.nn.ModuleList(self.parts), module, None,
+                         ranks, rank)
+        self.stage_modules = modules
         device = next(module.parameters()).device
-        rows = gather_rows(torch.tensor([c.stage, c.dp, self._slot, c.stages, c.replicas], dtype=torch.int64),
-                           None, device)
+        rows = gather_rows(torch.tensor([c.stage, c.dp, self._slot, c.stages, c.replicas, len(modules)],
+                                        dtype=torch.int64), None, device)
         seen = {(r[0], r[1]) for r in rows}
-        if len(seen) != len(rows) or any(r[3] != c.stages or r[4] != c.replicas for r in rows) \
-                or len(rows) != c.stages * c.replicas:
-            raise LayoutError(f"the ranks' (stage, data-parallel index) pairs {[(r[0], r[1]) for r in rows]} are not "
-                              f"a {c.stages} x {c.replicas} grid over the {len(rows)} ranks")
+        if len(seen) != len(rows) or any(r[3] != c.stages or r[4] != c.replicas or r[5] != len(modules)
+                                         for r in rows) or len(rows) != c.stages * c.replicas:
+            raise LayoutError(f"the ranks' (pp rank, data-parallel index) pairs {[(r[0], r[1]) for r in rows]} are "
+                              f"not a {c.stages} x {c.replicas} grid over the {len(rows)} ranks, each with "
+                              f"{len(modules)} stage(s)")
         self.shard_of = [r[2] for r in rows]
-        self.stage_of_position = [r[0] for r in rows]
+        # every position's pipeline stages (the same schedule maps the same stages to a pp rank in every replica)
+        by_rank, _ = _local_stages(schedule, self.stages)
+        self.stages_of_position = [by_rank[r[0]] for r in rows]
         self.dp_of_position = [r[1] for r in rows]
         # The mesh coordinates of every position (evidence, and the replay's pairing of replicas stage by stage).
         sizes = {"pp": c.stages}
@@ -541,8 +657,13 @@ class PipelineStageLayout(Layout):
     # -- where gradients are read --------------------------------------------------------------------------------
 
     def install(self, sink: GradSink, *, reduced_checks: bool = True) -> None:
-        if self._ddp is not None:
-            self._ddp.install(sink, reduced_checks=reduced_checks)
+        if len(self._ddp) == 1:
+            self._ddp[0].install(sink, reduced_checks=reduced_checks)
+        elif self._ddp:
+            offset = 0
+            for part, (ddp, module) in enumerate(zip(self._ddp, self.stage_modules, strict=True)):
+                ddp.install(_PartSink(sink, offset, part), reduced_checks=reduced_checks)
+                offset += sum(1 for p in module.parameters() if p.requires_grad)
         elif self._fsdp is not None:
             from sdc_telemetry.parallel.fsdp import GradTap
 
@@ -555,11 +676,16 @@ class PipelineStageLayout(Layout):
             sink.measure_local()
 
     def reduction_mismatch(self) -> torch.Tensor | None:
-        return self._ddp.reduction_mismatch() if self._ddp is not None else None  # type: ignore[no-any-return]
+        """Each DDP stage module's reduce-phase checksum, together (1 where any stage's says the reduced gradients
+        are not the sum of the local ones)."""
+        flags = [f for f in (ddp.reduction_mismatch() for ddp in self._ddp) if f is not None]
+        if not flags:
+            return None
+        return flags[0] if len(flags) == 1 else torch.stack(flags).amax()
 
     def disable(self) -> None:
-        if self._ddp is not None:
-            self._ddp.disable()
+        for ddp in self._ddp:
+            ddp.disable()
         if self._tap is not None:
             self._tap.enabled = False
         if self._outputs is not None:
@@ -567,7 +693,7 @@ class PipelineStageLayout(Layout):
 
     def stage_outputs(self) -> StageOutputs:
         if self._outputs is None:
-            self._outputs = StageOutputs(self.module, self.stage_of_position)
+            self._outputs = StageOutputs(self.stage_modules, self.stages_of_position)
         return self._outputs
 
     # -- reading tensors in place --------------------------------------------------------------------------------
@@ -597,11 +723,13 @@ class PipelineStageLayout(Layout):
 
     @property
     def is_first(self) -> bool:
-        return bool(self.stage.is_first)
+        """This rank runs stage 0 (it takes the inputs)."""
+        return any(stage.is_first for stage in self.stages)
 
     @property
     def is_last(self) -> bool:
-        return bool(self.stage.is_last)
+        """This rank runs the last stage (it takes the target and computes the losses)."""
+        return any(stage.is_last for stage in self.stages)
 
     def step(self, *inputs: Any, target: Any = None, **kwargs: Any) -> list[torch.Tensor] | None:
         """``pipeline_step`` for this stage."""
@@ -609,6 +737,8 @@ class PipelineStageLayout(Layout):
 
     def describe(self) -> str:
         c = self.coordinate
-        return (f"pipeline stage {c.stage} of {c.stages} ({type(self.schedule).__name__}), {self.kind} over "
-                f"{c.replicas} replica(s), {self.world} rank(s)")
+        where = (f"pipeline stage {c.stage} of {c.stages}" if len(self.stages) == 1 else
+                 f"pipeline stages {list(c.indices)} of {self.stages[0].num_stages} on pp rank {c.stage} of {c.stages}")
+        return (f"{where} ({type(self.schedule).__name__}), {self.kind} over {c.replicas} replica(s), "
+                f"{self.world} rank(s)")
 

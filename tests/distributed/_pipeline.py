@@ -197,9 +197,30 @@ def refusals(rank: int, mesh: Any) -> dict[str, str]:
     def stages(indices: list[int]) -> list[Any]:
         return [PipelineStage(nn.Linear(4, 4), i, 4, CPU, group=pp_group) for i in indices]
 
-    attempt("interleaved", lambda: ScheduleInterleaved1F1B(stages([pp, pp + 2]), MICRO, loss_fn=loss_fn))
-    attempt("looped", lambda: ScheduleLoopedBFS(stages([pp, pp + 2]), MICRO, loss_fn=loss_fn))
+    def ddp_stages(indices: list[int], find_unused: bool = True, wrap: tuple[bool, ...] = (True, True)) -> list[Any]:
+        mods = [nn.Linear(4, 4) for _ in indices]
+        return [PipelineStage(DistributedDataParallel(m, process_group=dp_group, find_unused_parameters=find_unused)
+                              if w else m, i, 4, CPU, group=pp_group)
+                for m, i, w in zip(mods, indices, wrap, strict=True)]
+
+    attempt("interleaved_reversed", lambda: ScheduleInterleaved1F1B(ddp_stages([pp + 2, pp]), MICRO,
+                                                                    loss_fn=loss_fn))
+    attempt("interleaved_mixed", lambda: ScheduleInterleaved1F1B(ddp_stages([pp, pp + 2], wrap=(True, False)), MICRO,
+                                                                 loss_fn=loss_fn))
+    attempt("looped_without_find_unused", lambda: ScheduleLoopedBFS(ddp_stages([pp, pp + 2], find_unused=False),
+                                                                    MICRO, loss_fn=loss_fn))
     attempt("zero_bubble", lambda: ScheduleInterleavedZeroBubble(stages([pp, pp + 2]), MICRO, loss_fn=loss_fn))
+    interleaved = ScheduleInterleaved1F1B(ddp_stages([pp, pp + 2]), MICRO, loss_fn=loss_fn)
+    parts = [stage.submod for stage in interleaved._stages]
+    import sdc_telemetry as sdc
+
+    for name, given in (("parts_reversed", parts[::-1]), ("parts_missing", parts[:1])):
+        try:
+            sdc.SDCMonitor(given, torch.optim.SGD([p for m in parts for p in m.parameters()], lr=0.1),
+                           pipeline=interleaved, mesh=mesh, config=sdc.SDCConfig(metrics_port=None, nvml=False))
+            out[name] = "accepted"
+        except ValueError as e:
+            out[name] = str(e)
     plain = PipelineStage(build(pp), pp, 2, CPU, group=pp_group)
     attempt("plain_module", lambda: Schedule1F1B(plain, MICRO, loss_fn=loss_fn))
     ddp = DistributedDataParallel(build(pp), process_group=dp_group)

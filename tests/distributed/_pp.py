@@ -10,7 +10,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 import sdc_telemetry as sdc
@@ -26,20 +32,45 @@ CPU = torch.device("cpu")
 MICRO = 4
 
 
+def build_looped(stage: int) -> nn.Module:
+    """Four stages, two per pp rank under an interleaved or looped schedule (stage i on pp rank i % 2): stage 0
+    Linear, ReLU, Dropout; stages 1 and 2 Linear, ReLU; stage 3 Linear, ReLU, Linear."""
+    torch.manual_seed(stage)
+    if stage == 0:
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1))
+    if stage == 3:
+        return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU())
+
+
 def run_one(rank: int, replicas: int, sc: dict[str, Any]) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (replicas, 2), mesh_dim_names=("dp_replicate", "pp"))
     dp, pp = rank // 2, rank % 2
-    module = build(pp)
-    if sc.get("kind", "ddp") == "ddp":
-        # find_unused_parameters=True: torch 2.13's ScheduleGPipe trips DDP's bucket rebuild without it
-        wrapped: nn.Module = DistributedDataParallel(module, process_group=mesh.get_group("dp_replicate"),
-                                                     find_unused_parameters=True)
-        schedule_cls: Any = ScheduleGPipe
+    kind, looped = sc.get("kind", "ddp"), sc.get("schedule")
+    # One stage per rank, or (interleaved, looped) stages pp and pp + 2 of four
+    indices = [pp] if looped is None else [pp, pp + 2]
+    parts = [build(pp)] if looped is None else [build_looped(i) for i in indices]
+    wrapped_parts: list[nn.Module] = []
+    for part in parts:
+        if kind == "ddp":
+            # find_unused_parameters=True: torch 2.13's GPipe and multi-stage schedules trip DDP's bucket rebuild
+            # without it
+            wrapped_parts.append(DistributedDataParallel(part, process_group=mesh.get_group("dp_replicate"),
+                                                         find_unused_parameters=True))
+        else:
+            fully_shard(part, mesh=mesh["dp_replicate"])
+            wrapped_parts.append(part)
+    stages = [PipelineStage(w, i, 2 * len(indices), CPU, group=mesh.get_group("pp"))
+              for w, i in zip(wrapped_parts, indices, strict=True)]
+    if looped is None:
+        stage = stages[0]
+        schedule: Any = (ScheduleGPipe if kind == "ddp" else Schedule1F1B)(stage, MICRO, loss_fn=loss_fn)
     else:
-        fully_shard(module, mesh=mesh["dp_replicate"])
-        wrapped, schedule_cls = module, Schedule1F1B
-    stage = PipelineStage(wrapped, pp, 2, CPU, group=mesh.get_group("pp"))
-    schedule = schedule_cls(stage, MICRO, loss_fn=loss_fn)
+        schedule = {"interleaved": ScheduleInterleaved1F1B, "looped": ScheduleLoopedBFS}[looped](
+            stages, MICRO, loss_fn=loss_fn)
+    first, last = stages[0].is_first, stages[-1].is_last
+    module = parts[0] if looped is None else nn.ModuleList(parts)
+    wrapped = wrapped_parts[0] if looped is None else wrapped_parts
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
     faults = FaultInjector(module, opt)
     if sc.get("noise"):  # GPU-like run-to-run noise in every layer's output (tolerance mode's setting)
@@ -65,9 +96,8 @@ def run_one(rank: int, replicas: int, sc: dict[str, Any]) -> dict[str, Any]:
             with monitor.step((x, y)) as st:
                 out = st.pipeline_step(x, target=y)
         else:
-            out = [] if stage.is_last else None
-            schedule.step(*((x,) if stage.is_first else ()), **({"target": y, "losses": out} if stage.is_last
-                                                                  else {}))
+            out = [] if last else None
+            schedule.step(*((x,) if first else ()), **({"target": y, "losses": out} if last else {}))
         losses.append([float(t) for t in out] if out is not None else None)
         opt.step()
         opt.zero_grad()

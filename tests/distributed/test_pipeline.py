@@ -24,6 +24,16 @@ SCENARIOS = {
     "fsdp": {"config": {"replay_every": 2}, "steps": 4, "kind": "fsdp"},
     "fsdp_compute": {"config": {"replay_every": 2}, "steps": 3, "kind": "fsdp",
                      "faults": {"perturb_output": {"rank": 5, "step": 0, "module": "0", "relative": 1e-3}}},
+    # Several stages per rank: four stages, stages (0, 2) on pp rank 0 and (1, 3) on pp rank 1.
+    "interleaved": {"config": {"replay_every": 2}, "steps": 5, "schedule": "interleaved"},
+    "interleaved_off": {"monitor": False, "steps": 5, "schedule": "interleaved"},
+    "interleaved_compute": {"config": {"replay_every": 3}, "steps": 4, "schedule": "interleaved",
+                            "faults": {"perturb_output": {"rank": 2, "step": 0, "module": "1.0", "relative": 1e-3}}},
+    "interleaved_flip": {"config": {"replay_every": 0}, "steps": 4, "schedule": "interleaved",
+                         "faults": {"flip_weight_bit": {"rank": 3, "step": 2, "param": "1.2.weight", "index": 5,
+                                                        "bit": 12}}},
+    "looped_fsdp": {"config": {"replay_every": 2}, "steps": 4, "schedule": "looped", "kind": "fsdp",
+                    "faults": {"perturb_output": {"rank": 5, "step": 2, "module": "0.0", "relative": 1e-3}}},
 }
 
 
@@ -92,3 +102,45 @@ def test_pp_fsdp_stages_replay_passes_and_finds_a_compute_fault(pp: dict[str, An
     step, check, suspects, _, coordinate, ambiguous, stage = _same(pp["fsdp_compute"])[0]
     assert (step, check, suspects, stage) == (0, "replay", [5], [1, "output"]) and not ambiguous
     assert coordinate is not None and coordinate["dp_shard"] == 2
+
+
+def test_interleaved_schedule_healthy_counts_every_check_and_changes_nothing(pp: dict[str, Any]) -> None:
+    """``ScheduleInterleaved1F1B`` with two DDP stage modules per rank (``SDCMonitor(model_parts, ...)``): both stage
+    modules' gradients are tapped (one DDP each), weights pass per pp rank across the three replicas, the partner
+    replica's rerun of the whole schedule step passes, and training is bitwise that of the unmonitored run."""
+    for r, off in zip(pp["interleaved"], pp["interleaved_off"], strict=True):
+        assert r["incidents"] == [] and r["errors"] == []
+        assert "pipeline stages" in r["layout"] and "ScheduleInterleaved1F1B" in r["layout"]
+        counts = r["counts"]
+        assert counts["grad_local"] == {"pass": 5} and counts["grad_reduced"] == {"pass": 5}
+        assert counts["weights"] == {"pass": 5} and counts["replay"].get("pass") == 2, counts
+        assert "error" not in counts["replay"] and "fail" not in counts["replay"]
+        assert r["losses"] == off["losses"]
+        assert all(r["weights"][n].equal(w) for n, w in off["weights"].items())
+
+
+def test_interleaved_compute_fault_named_at_its_stage_not_its_rank(pp: dict[str, Any]) -> None:
+    """A compute fault in stage 2 (pp rank 0's second stage) of replica 1: stages 2 and 3 differ, stage 1 does not,
+    so both ranks of the replica see a differing output and only the per-stage marks tell them apart: rank 2 alone,
+    at stage 2."""
+    step, check, suspects, verdict, coordinate, ambiguous, stage = _same(pp["interleaved_compute"])[0]
+    assert (step, check, suspects, verdict, stage) == (3, "replay", [2], "persistent", [2, "output"])
+    assert coordinate == {"pp": 0, "dp_replicate": 1} and not ambiguous
+
+
+def test_interleaved_weight_flip_named_on_its_rank(pp: dict[str, Any]) -> None:
+    """A bit flipped in stage 3's weights on rank 3 (pp rank 1, replica 1): named there alone, at rest."""
+    assert _same(pp["interleaved_flip"]) == [(2, "weights", [3], "at_rest", {"pp": 1, "dp_replicate": 1}, False,
+                                              None)]
+
+
+def test_looped_schedule_with_fsdp_stages_passes_then_names_a_fault(pp: dict[str, Any]) -> None:
+    """``ScheduleLoopedBFS`` with two fully_shard-ed stage modules per rank: the step-0 audit passes on every rank
+    (every replica reruns at once), then a compute fault from step 2 in stage 1 of replica 2 (rank 5) is named at
+    stage 1."""
+    for r in pp["looped_fsdp"]:
+        assert r["errors"] == [] and r["counts"]["replay"].get("pass") == 1, r["counts"]
+        assert r["counts"]["grad_local"] == {"pass": 4}
+    step, check, suspects, _, coordinate, ambiguous, stage = _same(pp["looped_fsdp"])[0]
+    assert (step, check, suspects, stage) == (2, "replay", [5], [1, "output"]) and not ambiguous
+    assert coordinate is not None and coordinate["pp"] == 1 and coordinate["dp_shard"] == 2

@@ -101,13 +101,19 @@ def test_stage_coordinates_and_weight_slots(ranks: list[dict[str, Any]]) -> None
 
 
 def test_uncovered_pipelines_are_refused_by_name(ranks: list[dict[str, Any]]) -> None:
-    """Interleaved, looped and zero-bubble schedules, a plain stage module with two replicas, a schedule without
-    loss_fn and a last stage stepped without a target are refused with a message naming the problem."""
+    """A rank's stages out of the schedule's order, stage modules wrapped differently, DDP stages under a looped
+    schedule without find_unused_parameters, zero-bubble schedules, model parts that are not the schedule's, a plain
+    stage module with two replicas, a schedule without loss_fn and a last stage stepped without a target are
+    refused with a message naming the problem."""
     for r in ranks:
         f = r["refusals"]
-        assert "ScheduleInterleaved1F1B is not supported" in f["interleaved"] and "several stages" in f["interleaved"]
-        assert "ScheduleLoopedBFS is not supported" in f["looped"]
-        assert "zero-bubble" in f["zero_bubble"]
+        assert "ascending order" in f["interleaved_reversed"], f["interleaved_reversed"]
+        assert "wrapped differently" in f["interleaved_mixed"]
+        assert "ScheduleLoopedBFS needs" in f["looped_without_find_unused"]
+        assert "find_unused_parameters=True" in f["looped_without_find_unused"]
+        assert "zero-bubble" in f["zero_bubble"] and "ScheduleInterleavedZeroBubble" in f["zero_bubble"]
+        assert "the 2 stage modules this rank runs, in local stage order" in f["parts_reversed"]
+        assert "got other modules" in f["parts_reversed"] and "got 1 module(s)" in f["parts_missing"]
         assert "neither DistributedDataParallel" in f["plain_module"]
         assert "without loss_fn" in f["no_loss_fn"]
         assert "needs target=" in f["no_target"]

@@ -304,11 +304,12 @@ def test_replay_partners_share_a_numerics_class() -> None:
 class _Stages:
     """The part of parallel.pipeline.StageOutputs the replay's stage rule reads."""
 
-    def __init__(self, stage_of: list[int]) -> None:
-        self.stage_of = stage_of
+    def __init__(self, stage_of: list[int] | list[list[int]]) -> None:
+        self.stages_of = [s if isinstance(s, list) else [s] for s in stage_of]
+        self.parts = len(self.stages_of[0])
 
 
-def _stage_rule(stage_of: list[int], marks: dict[tuple[int, int], int], suspects: tuple[int, ...],
+def _stage_rule(stage_of: list[int] | list[list[int]], marks: dict[tuple[int, int], int], suspects: tuple[int, ...],
                 why: dict[str, object] | None = None, rerun: dict[int, int] | None = None
                 ) -> tuple[tuple[int, ...], object]:
     from sdc_telemetry.checks.replay import ReplayCheck
@@ -342,3 +343,37 @@ def test_stage_rule_narrows_nothing_it_cannot_explain() -> None:
     assert _stage_rule(FOUR, dict.fromkeys(pairs, 1), (4, 5, 6, 7), {"ambiguous": True}) == ((4, 5, 6, 7), None)
     rerun = {4: 0, 5: 1, 6: 1, 7: 1}
     assert _stage_rule(FOUR, {}, (4, 5, 6, 7), {"fault": "transient"}, rerun) == ((5,), (1, "output"))
+
+
+# Interleaved: 2 pp ranks x 2 replicas, 4 stages, stages {0, 2} on pp rank 0 and {1, 3} on pp rank 1; position =
+# replica * 2 + pp rank. A position's mark holds a bit per local stage (bit 0: its first stage, bit 1: its second).
+LOOPED = [[0, 2], [1, 3]] * 2
+
+
+def test_stage_rule_names_a_stage_of_an_interleaved_rank() -> None:
+    """Stage 1 (pp rank 1's first) of replica 1 computes wrongly: stages 1, 2 and 3 differ, stage 0 does not. Both
+    ranks of the replica see a differing output (pp rank 0 in its stage 2), so only the bits tell: position 3 (pp rank
+    1) alone, at stage 1. A fault in stage 2 (pp rank 0's second stage) leaves stage 1's outputs alike: position 2."""
+    marks = {(0, 2): 0b10, (1, 3): 0b11}
+    assert _stage_rule(LOOPED, marks, (2, 3)) == ((3,), (1, "output"))
+    assert _stage_rule(LOOPED, {(0, 2): 0b10, (1, 3): 0b10}, (2, 3)) == ((2,), (2, "output"))
+    # stage 3 differs alone: pp rank 1's second stage
+    assert _stage_rule(LOOPED, {(0, 2): 0b00, (1, 3): 0b10}, (2, 3)) == ((3,), (3, "output"))
+    # stage 0 differs but stage 1 does not: no forward fault makes that
+    assert _stage_rule(LOOPED, {(0, 2): 0b11, (1, 3): 0b10}, (2, 3)) == ((2, 3), None)
+
+
+def test_outputs_are_compared_per_local_stage() -> None:
+    """``_outputs_differ`` compares each local stage's last forwards (a first step's extra shape-inference forward
+    aside), giving a bit per stage; a stage missing on either side makes the comparison unknown (-1)."""
+    from sdc_telemetry.checks.replay import ReplayCheck
+
+    check = ReplayCheck.__new__(ReplayCheck)
+    check._outputs, check.mode = _Stages([[0, 2]]), "exact"
+    recorded = ([5, 1, 2, 3, 4], [1.0] * 5, [0, 0, 1, 0, 1])  # stage 0's first forward: the shape inference
+    same = ([1, 2, 3, 4], [1.0] * 4, [0, 1, 0, 1])
+    assert check._outputs_differ(recorded, same) == 0
+    assert check._outputs_differ(recorded, ([1, 9, 3, 4], [1.0] * 4, [0, 1, 0, 1])) == 0b10
+    assert check._outputs_differ(recorded, ([7, 2, 3, 4], [1.0] * 4, [0, 1, 0, 1])) == 0b01
+    assert check._outputs_differ(recorded, ([1, 3], [1.0] * 2, [0, 0])) == -1
+    assert check._outputs_differ(None, same) == -1
