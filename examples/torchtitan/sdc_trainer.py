@@ -85,7 +85,8 @@ class SDCTrainer(Trainer):
                              "local_batch_size x the data-parallel degree)")
         sdc_config = sdc.SDCConfig(weights_every=s.weights_every, replay_every=s.replay_every,
                                    on_suspect=s.on_suspect, mode=s.mode, metrics_port=None, nvml=False)
-        module = self.model_parts[0]
+        # the rank's stage modules in local stage order under an interleaved or looped schedule, else its one module
+        module: Any = self.model_parts[0] if len(self.model_parts) == 1 else torch.nn.ModuleList(self.model_parts)
         self.counter = CheckCounter()
         kwargs: dict[str, Any] = {"config": sdc_config, "observer": self.counter}
         if s.mesh == "dense":
@@ -189,7 +190,9 @@ class SDCTrainer(Trainer):
             out["incidents"] = [{"step": i.step, "check": i.check, "suspect_ranks": list(i.suspect_ranks),
                                  "coordinate": i.evidence.get("coordinate"),
                                  "coordinates": i.evidence.get("coordinates"),
-                                 "verdict": i.evidence.get("verdict")} for i in m.incidents]
+                                 "verdict": i.evidence.get("verdict"), "stage": i.evidence.get("stage")}
+                                for i in m.incidents]
+            out["describe"] = m.layout.describe()
         return out
 
     def _write_report(self) -> None:

@@ -77,6 +77,14 @@ def pipeline_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 
 @pytest.fixture(scope="module")
+def interleaved_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return run_titan(tmp_path_factory.mktemp("titan-interleaved"),
+                     "--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+                     "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                     "--parallelism.pipeline_parallel_layers_per_stage", "2", "--sdc.fault_module", "1.norm")
+
+
+@pytest.fixture(scope="module")
 def tp_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return run_titan(tmp_path_factory.mktemp("titan-tp"),
                      "--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2")
@@ -94,6 +102,21 @@ def test_pipeline_fsdp_trainer_runs_every_check_and_names_the_faulty_stage(pipel
         suspects = set(replay[0]["suspect_ranks"])
         assert FAULT_RANK in suspects and suspects <= REPLICA, r
         assert replay[0]["coordinate"]["dp_shard"] == 1, replay[0]
+
+
+def test_interleaved_trainer_passes_its_model_parts_and_names_the_faulty_stage(interleaved_run: Run) -> None:
+    """torchtitan's Trainer with its Interleaved1F1B schedule: 4 stages of the debug model on pp=2 x dp_shard=2,
+    two FSDP2 stage modules per rank, handed to the monitor as torchtitan's ``model_parts``. Every check passes on
+    the healthy audit; a transient compute fault in the last stage's ``norm`` on rank 3 (pp rank 1's second stage,
+    ``1.norm``) at step 2 is found by the replay and named on rank 3 alone, at stage 3 (the only stage after it:
+    its output is the first that differs)."""
+    reports = check_run(interleaved_run, None, {"grad_local", "grad_reduced", "replay", "weights"})
+    for r in reports:
+        pp = r["rank"] // 2  # torchtitan's mesh is (pp, dp_shard): pp rank q runs stages q and q + 2
+        assert f"pipeline stages [{pp}, {pp + 2}] of 4" in r["describe"], r
+        assert "ScheduleInterleaved1F1B" in r["describe"], r
+        replay = [i for i in r["incidents"] if i["check"] == "replay"]
+        assert [(i["step"], i["suspect_ranks"], i["stage"]) for i in replay] == [(FAULT_STEP, [FAULT_RANK], 3)], r
 
 
 def test_fsdp_tp_trainer_runs_every_check_and_names_the_faulty_replica(tp_run: Run) -> None:
