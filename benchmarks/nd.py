@@ -1,8 +1,10 @@
 """N-D parallelism: step-time overhead and audit cost on TP x DP (and PP x DP), and a detection campaign on TP x DP.
 
-    python benchmarks/nd.py                       # HSDP x TP (2x2x2, 8 gloo ranks), then PP x DP (2x2, 4 ranks)
-    python benchmarks/nd.py --layout pp_dp        # one layout: hsdp_tp, fsdp_tp (dp_shard 2 x tp 2) or pp_dp
-                                                  # (fsdp_tp has no weight replicas: no weight check runs)
+    python benchmarks/nd.py                       # HSDP x TP (2x2x2, 8 gloo ranks), then PP x DP (2x2, 4 ranks),
+                                                  # then PP x DP interleaved (2 stages a rank)
+    python benchmarks/nd.py --layout pp_dp        # one layout: hsdp_tp, fsdp_tp (dp_shard 2 x tp 2), pp_dp or
+                                                  # pp_interleaved (fsdp_tp has no weight replicas: no weight
+                                                  # check runs)
     python benchmarks/nd.py --quick               # tiny model, two short rounds of both layouts (the smoke test)
     python benchmarks/nd.py --campaign            # fault campaign on HSDP x TP (8 gloo ranks)
     python benchmarks/nd.py --campaign --quick    # one trial of each fault class (the smoke test)
@@ -15,7 +17,10 @@ parallel) and MLP (up: column parallel, down: row parallel) are split over ``mes
 the final norm and the head) on a ``(dp_replicate 2, pp 2)`` mesh, each stage module DDP-wrapped over its
 data-parallel group (``find_unused_parameters=True``, which torch 2.13's schedules need), a ``ScheduleGPipe`` of
 4 micro-batches, and ``SDCMonitor(stage, optimizer, pipeline=schedule, mesh=mesh)`` with
-``step.pipeline_step(x, target=y)``; the baseline calls ``schedule.step`` itself.
+``step.pipeline_step(x, target=y)``; the baseline calls ``schedule.step`` itself. PP x DP interleaved: the same
+GPT cut into four stages, two per pp rank (stages q and q + 2 on pp rank q), each DDP-wrapped, a
+``ScheduleInterleaved1F1B`` of 4 micro-batches, and ``SDCMonitor([stage_a, stage_b], optimizer, pipeline=schedule,
+mesh=mesh)``.
 
 Overhead: configurations, each its own copy of the same model (same seed, own optimizer; the monitor wraps a
 model's reduce-scatter, so copies cannot be shared): unmonitored (the baseline); gradient checks + weights every
@@ -73,10 +78,14 @@ LAYOUTS: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
     "hsdp_tp": ((2, 2, 2), ("dp_replicate", "dp_shard", "tp")),
     "fsdp_tp": ((2, 2), ("dp_shard", "tp")),
     "pp_dp": ((2, 2), ("dp_replicate", "pp")),
+    "pp_interleaved": ((2, 2), ("dp_replicate", "pp")),
 }
 TITLES = {"hsdp_tp": "HSDP x TP (dp_replicate 2 x dp_shard 2 x tp 2, 8 gloo ranks)",
           "fsdp_tp": "FSDP x TP (dp_shard 2 x tp 2, 4 gloo ranks)",
-          "pp_dp": "PP x DP (2 stages x 2 DDP replicas, ScheduleGPipe, 4 gloo ranks)"}
+          "pp_dp": "PP x DP (2 stages x 2 DDP replicas, ScheduleGPipe, 4 gloo ranks)",
+          "pp_interleaved": "PP x DP interleaved (4 stages, 2 a rank x 2 DDP replicas, ScheduleInterleaved1F1B, "
+                            "4 gloo ranks)"}
+PIPELINES = ("pp_dp", "pp_interleaved")
 MICRO = 4  # pipeline micro-batches per step
 REPLAY_EVERY = 10
 QUICK_REPLAY_EVERY = 4
@@ -198,24 +207,33 @@ def pp_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-def build_pp(spec: dict[str, int], mesh: Any, seed: int = 0) -> tuple[nn.Module, nn.Module, Any, bool, bool]:
-    """This rank's stage module (same seed on every rank: replicas start equal), DDP-wrapped over its
-    data-parallel group, and a ScheduleGPipe over ``mesh["pp"]``. Returns (module, wrapped, schedule, first,
-    last)."""
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+def build_pp(spec: dict[str, int], mesh: Any, seed: int = 0, per_rank: int = 1
+             ) -> tuple[nn.Module, Any, Any, bool, bool]:
+    """This rank's stage modules (same seed on every rank: replicas start equal), each DDP-wrapped over its
+    data-parallel group: one stage per pp rank under a ScheduleGPipe, or ``per_rank`` stages (stage i on pp rank
+    i mod pp) under a ScheduleInterleaved1F1B. Returns (module, what the monitor takes, schedule, first, last):
+    the module is the stage module or an ``nn.ModuleList`` of them; the monitor takes the DDP-wrapped stage module
+    or the list of them in local stage order."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleInterleaved1F1B
     from torch.nn.parallel import DistributedDataParallel
 
     coord = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate(), strict=True))
-    stages = mesh["pp"].size()
+    pp = mesh["pp"].size()
+    stages = pp * per_rank
     if spec["layers"] < stages:
         raise ValueError(f"layers={spec['layers']} must be >= the {stages} pipeline stages")
     torch.manual_seed(seed)
-    module = Stage(spec, coord["pp"], stages)
+    indices = [coord["pp"] + k * pp for k in range(per_rank)]
+    modules = [Stage(spec, i, stages) for i in indices]
     # find_unused_parameters=True: torch 2.13's pipeline schedules trip DDP's bucket rebuild at the second step
-    wrapped = DistributedDataParallel(module, process_group=mesh.get_group("dp_replicate"),
-                                      find_unused_parameters=True)
-    stage = PipelineStage(wrapped, coord["pp"], stages, torch.device("cpu"), group=mesh.get_group("pp"))
-    return module, wrapped, ScheduleGPipe(stage, MICRO, loss_fn=pp_loss), stage.is_first, stage.is_last
+    wrapped = [DistributedDataParallel(m, process_group=mesh.get_group("dp_replicate"), find_unused_parameters=True)
+               for m in modules]
+    built = [PipelineStage(w, i, stages, torch.device("cpu"), group=mesh.get_group("pp"))
+             for w, i in zip(wrapped, indices, strict=True)]
+    first, last = built[0].is_first, built[-1].is_last
+    if per_rank == 1:
+        return modules[0], wrapped[0], ScheduleGPipe(built[0], MICRO, loss_fn=pp_loss), first, last
+    return nn.ModuleList(modules), wrapped, ScheduleInterleaved1F1B(built, MICRO, loss_fn=pp_loss), first, last
 
 
 # -- overhead -------------------------------------------------------------------------------------------------------
@@ -242,8 +260,9 @@ class _Copy:
         self.tally = _Tally()
         config = sdc.SDCConfig(metrics_port=None, nvml=False, **(fields or {}))
         self.schedule: Any = None
-        if spec["layout"] == "pp_dp":
-            self.model, wrapped, self.schedule, self.first, self.last = build_pp(spec["model"], mesh)
+        if spec["layout"] in PIPELINES:
+            self.model, wrapped, self.schedule, self.first, self.last = build_pp(
+                spec["model"], mesh, per_rank=2 if spec["layout"] == "pp_interleaved" else 1)
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
             self.monitor = None if fields is None else sdc.SDCMonitor(
                 wrapped, self.opt, pipeline=self.schedule, mesh=mesh, observer=self.tally, config=config)
@@ -280,7 +299,7 @@ def _overhead_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     copies = [_Copy(spec, fields, mesh) for _, fields in configs(spec["replay_every"])]
     m = spec["model"]
-    replica = dp_index(mesh) if spec["layout"] != "pp_dp" else int(mesh["dp_replicate"].get_local_rank())
+    replica = dp_index(mesh) if spec["layout"] not in PIPELINES else int(mesh["dp_replicate"].get_local_rank())
     it = iter(token_batches(spec["steps"], spec["batch"], m["seq"], m["vocab"], seed=100 + replica))
     for c in copies:
         for _ in range(spec["warmup"]):
@@ -363,7 +382,7 @@ def run_overhead(layout: str = "hsdp_tp", model: dict[str, int] | None = None, r
         summary[label] = {**c, "results": res}
     say(table(["configuration", "step ms (slowest rank)", "ratio (median)", "IQR", "audit cost, steps (IQR)",
                "check results on rank 0"], rows,
-              title=f"{TITLES[layout]}, {'GPT' if layout == 'pp_dp' else 'TP GPT'} {model}, "
+              title=f"{TITLES[layout]}, {'GPT' if layout in PIPELINES else 'TP GPT'} {model}, "
                     f"{rounds} rounds of {segment}-step segments"))
     errors = sorted({e for r in per_rank for e in r["errors"]})
     incidents = sorted({e for r in per_rank for e in r["incidents"]})
@@ -674,7 +693,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, short rounds / one trial per class (smoke test)")
     p.add_argument("--campaign", action="store_true", help="the fault campaign on HSDP x TP instead of the overhead")
     p.add_argument("--layout", choices=["all", *sorted(LAYOUTS)], default="all",
-                   help="the layout timed (all: hsdp_tp, then pp_dp)")
+                   help="the layout timed (all: hsdp_tp, pp_dp, then pp_interleaved)")
     p.add_argument("--trials", type=int, default=6, help="campaign trials per fault class")
     p.add_argument("--seed", type=int, default=0, help="campaign seed")
     p.add_argument("--spawns", type=int, default=2, help="campaign: process spawns the trials are grouped into")
@@ -688,12 +707,13 @@ def main(argv: Sequence[str] | None = None) -> None:
              else run_campaign(args.trials, seed=args.seed, spawns=args.spawns))
         print(f"wrote {write_json('nd_campaign', c, args.out_dir)}")
         return
-    layouts = ["hsdp_tp", "pp_dp"] if args.layout == "all" else [args.layout]
+    layouts = ["hsdp_tp", "pp_dp", "pp_interleaved"] if args.layout == "all" else [args.layout]
     results = {}
     for layout in layouts:
-        batch = 8 if layout == "pp_dp" else 4  # MICRO micro-batches per pipeline step
+        batch = 8 if layout in PIPELINES else 4  # MICRO micro-batches per pipeline step
         if args.quick:
-            results[layout] = run_overhead(layout, QUICK_MODEL, rounds=2, segment=QUICK_REPLAY_EVERY, warmup=1,
+            quick = {**QUICK_MODEL, "layers": 4} if layout == "pp_interleaved" else QUICK_MODEL  # a layer a stage
+            results[layout] = run_overhead(layout, quick, rounds=2, segment=QUICK_REPLAY_EVERY, warmup=1,
                                            batch=batch, replay_every=QUICK_REPLAY_EVERY)
         else:
             results[layout] = run_overhead(layout, rounds=args.rounds, segment=args.segment, batch=batch)

@@ -38,13 +38,14 @@ def _run(tmp_path: Path, *args: str, name: str) -> tuple[dict[str, Any], str]:
     return data, proc.stdout
 
 
-LAYOUTS = {"hsdp_tp": ("HSDP x TP", "dp_replicate x dp_shard x tp"), "pp_dp": ("PP x DP", "pipeline stage")}
+LAYOUTS = {"hsdp_tp": ("HSDP x TP", "dp_replicate x dp_shard x tp"), "pp_dp": ("PP x DP", "pipeline stage"),
+           "pp_interleaved": ("PP x DP interleaved", "ScheduleInterleaved1F1B")}
 
 
 def test_nd_quick_reports_ratios_audit_cost_and_counted_checks(tmp_path: Path) -> None:
-    """nd.py --quick: HSDP x TP on 8 ranks and PP x DP on 4, each configuration's step-time ratio against the same
-    model unmonitored (positive, the baseline exactly 1), an audit cost for the replaying one, every monitored check
-    passed on every step."""
+    """nd.py --quick: HSDP x TP on 8 ranks, PP x DP on 4 (one stage a rank, and two interleaved), each
+    configuration's step-time ratio against the same model unmonitored (positive, the baseline exactly 1), an audit
+    cost for the replaying one, every monitored check passed on every step."""
     data, out = _run(tmp_path, "--quick", name="nd")
     assert set(data["layouts"]) == set(LAYOUTS)
     for layout, (title, described) in LAYOUTS.items():
