@@ -89,7 +89,7 @@ class SDCTrainer(Trainer):
         module: Any = self.model_parts[0] if len(self.model_parts) == 1 else torch.nn.ModuleList(self.model_parts)
         self.counter = CheckCounter()
         kwargs: dict[str, Any] = {"config": sdc_config, "observer": self.counter}
-        if s.mesh == "dense":
+        if s.mesh == "dense" or self.parallel_dims.pp_enabled:  # a pipeline's stages take the world mesh
             kwargs["mesh"] = self.parallel_dims._global_meshes["dense"]
         if self.parallel_dims.pp_enabled:
             kwargs["pipeline"] = self.pp_schedule
@@ -166,10 +166,11 @@ class SDCTrainer(Trainer):
         positions = torch.cat([p[2]["positions"] for p in parts])
         batch = {"input": inputs, "labels": labels, "positions": positions,
                  "global_valid_tokens": global_valid_tokens}
-        with self.monitor.step(batch) as step:
-            with self.train_context():
-                losses = step.pipeline_step(inputs, target=labels, positions=positions,
-                                            loss_kwargs={"global_valid_tokens": global_valid_tokens})
+        # torchtitan's train context (loss parallelism under tp) around the whole block: the step's end reruns the
+        # schedule for the replay, and that rerun must compute the loss as the step did
+        with self.train_context(), self.monitor.step(batch) as step:
+            losses = step.pipeline_step(inputs, target=labels, positions=positions,
+                                        loss_kwargs={"global_valid_tokens": global_valid_tokens})
         self.sdc_steps += 1
         if self.pp_has_last_stage:
             assert losses is not None

@@ -201,13 +201,22 @@ def recompute_grads(layout: FSDPLayout, params: Sequence[torch.nn.Parameter], ru
     index = {id(p): i for i, p in enumerate(params)}
     handles = []
     saved = [(pg.reduce_grads, pg.all_reduce_grads) for _, pg in layout.groups]
+    # Tensor-parallel gradients FSDP redistributes before its reduce-scatter (Partial: sequence-parallel norms,
+    # row-parallel biases): FSDP accumulates them over micro-batches as DTensors and redistributes the sum once
+    # (one all-reduce of a1 + a2, not a1's plus a2's, which round differently), so they are summed here the same
+    # way and handed over after the backward. Small tensors; every other gradient streams.
+    partial: dict[int, tuple[Any, torch.Tensor, torch.dtype | None, float | None]] = {}
 
     def hook_for(i: int, fp: Any, dtype: torch.dtype | None, divide: float | None) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
             grad, p.grad = p.grad, None  # FSDP's post-backward then has nothing to reduce or accumulate
             if grad is not None:
-                if fp.is_dtensor:  # read as FSDP reads it: a tensor-parallel Partial gradient (sequence-parallel
-                    grad = fp._get_grad_inner_tensor(grad)  # norms) redistributed to the parameter's placements
+                if fp.is_dtensor and _redistributes(fp, grad):
+                    prev = partial.get(i)
+                    partial[i] = (fp, grad if prev is None else prev[1] + grad, dtype, divide)
+                    return
+                if fp.is_dtensor:  # read as FSDP reads it: the local tensor of the parameter's placements
+                    grad = fp._get_grad_inner_tensor(grad)
                 grad = grad.to(dtype or grad.dtype)
                 take(i, grad, divide)
             del grad
@@ -227,11 +236,23 @@ def recompute_grads(layout: FSDPLayout, params: Sequence[torch.nn.Parameter], ru
         for module, _ in layout.groups:
             module.set_requires_gradient_sync(False, recurse=False)
         run_backward()
+        for i in sorted(partial):  # the same order on every rank of the tp group: one redistribute each
+            fp, grad, dtype, divide = partial.pop(i)
+            inner = fp._get_grad_inner_tensor(grad)
+            take(i, inner.to(dtype or inner.dtype), divide)
     finally:
         for (_, pg), (reduce, all_reduce) in zip(layout.groups, saved, strict=True):
             pg.reduce_grads, pg.all_reduce_grads = reduce, all_reduce
         for h in handles:
             h.remove()
+
+
+def _redistributes(fp: Any, grad: torch.Tensor) -> bool:
+    """Whether FSDP redistributes this DTensor gradient before reducing it (its placements are not the
+    parameter's: a Partial sum over tp), the collective that makes accumulation order matter."""
+    spec = getattr(fp, "_unsharded_dtensor_spec", None)
+    placements = getattr(grad, "placements", None)
+    return spec is not None and placements is not None and tuple(placements) != tuple(spec.placements)
 
 
 def _predivide_factor(pg: Any) -> float | None:

@@ -37,7 +37,7 @@ from sdc_telemetry.parallel.base import LayoutError, world_ranks
 from sdc_telemetry.parallel.coordinates import DIMS, Coordinates, canonical, check_dims
 from sdc_telemetry.parallel.fsdp import FSDP, FSDPLayout, fsdp_groups
 
-__all__ = ["MeshLayout", "is_nd", "world_mesh"]
+__all__ = ["MeshLayout", "is_nd", "world_mesh", "fsdp_layout"]
 
 
 def _dtensor_params(model: torch.nn.Module) -> list[Any]:
@@ -139,28 +139,7 @@ class MeshLayout(FSDP):
                               "over DTensor parameters is not supported")
         if len(_dtensor_params(model)) != len(list(model.parameters())):
             raise LayoutError("every parameter must be a DTensor (a module left outside fully_shard is not supported)")
-        groups = fsdp_groups(model)
-        info = groups[0][1].mesh_info
-        if any(pg.mesh_info.shard_mesh_size != info.shard_mesh_size for _, pg in groups):
-            raise LayoutError("FSDP parameter groups shard over different mesh dimensions: not supported")
-        if info.shard_mesh_size < 2:
-            raise LayoutError("a data-parallel shard dimension of size 1 does not reduce-scatter (FSDP copies the "
-                              "gradients), so local gradients cannot be observed: tensor parallelism needs "
-                              "fully_shard over a dp_shard dimension of 2 or more")
-        allowed = {sizes.get("dp_shard", 1), sizes.get("dp_shard", 1) * sizes.get("cp", 1)}
-        if info.shard_mesh_size not in allowed:
-            held = " or ".join(str(n) for n in sorted(allowed))
-            raise LayoutError(f"fully_shard shards over {info.shard_mesh_size} ranks, but the mesh's dp_shard "
-                              f"(x cp) dims hold {held}: apply fully_shard on mesh['dp_shard'] (or the flattened "
-                              "dp_shard_cp), or on mesh['dp_replicate', 'dp_shard']")
-        replicate = getattr(info, "replicate_process_group", None)
-        replicas = getattr(info, "replicate_mesh_size", 1)
-        if replicas != sizes.get("dp_replicate", 1):
-            raise LayoutError(f"fully_shard replicates over {replicas} ranks but the mesh's dp_replicate dim is "
-                              f"{sizes.get('dp_replicate', 1)}: apply fully_shard on mesh['dp_replicate', 'dp_shard']")
-        self.mesh = FSDPLayout(shard_group=info.shard_process_group, shard_size=info.shard_mesh_size,
-                               shard_index=info.shard_mesh_rank, replicate_group=replicate, replicas=replicas,
-                               groups=tuple(groups))
+        self.mesh = fsdp_layout(fsdp_groups(model), sizes)
         self._tap = None
         coordinate = root.get_coordinate()
         assert coordinate is not None
@@ -194,3 +173,31 @@ class MeshLayout(FSDP):
 
     def describe(self) -> str:
         return f"{self.name} over {self.world} ranks ({self.coordinates.describe()})"
+
+
+def fsdp_layout(groups: list[tuple[Any, Any]], sizes: dict[str, int]) -> FSDPLayout:
+    """The FSDP2 layout of a tensor- or context-parallel model's parameter groups (``fsdp_groups``; a pipeline
+    stage's, or several stage modules' together) on a mesh of dims ``sizes``: the shard and replicate groups come
+    from FSDP's own mesh info (the parameters' placements mix data- and tensor-parallel dims, which
+    ``fsdp.layout_of`` refuses), after checking they are the mesh's data-parallel dims."""
+    info = groups[0][1].mesh_info
+    if any(pg.mesh_info.shard_mesh_size != info.shard_mesh_size for _, pg in groups):
+        raise LayoutError("FSDP parameter groups shard over different mesh dimensions: not supported")
+    if info.shard_mesh_size < 2:
+        raise LayoutError("a data-parallel shard dimension of size 1 does not reduce-scatter (FSDP copies the "
+                          "gradients), so local gradients cannot be observed: tensor parallelism needs "
+                          "fully_shard over a dp_shard dimension of 2 or more")
+    allowed = {sizes.get("dp_shard", 1), sizes.get("dp_shard", 1) * sizes.get("cp", 1)}
+    if info.shard_mesh_size not in allowed:
+        held = " or ".join(str(n) for n in sorted(allowed))
+        raise LayoutError(f"fully_shard shards over {info.shard_mesh_size} ranks, but the mesh's dp_shard "
+                          f"(x cp) dims hold {held}: apply fully_shard on mesh['dp_shard'] (or the flattened "
+                          "dp_shard_cp), or on mesh['dp_replicate', 'dp_shard']")
+    replicate = getattr(info, "replicate_process_group", None)
+    replicas = getattr(info, "replicate_mesh_size", 1)
+    if replicas != sizes.get("dp_replicate", 1):
+        raise LayoutError(f"fully_shard replicates over {replicas} ranks but the mesh's dp_replicate dim is "
+                          f"{sizes.get('dp_replicate', 1)}: apply fully_shard on mesh['dp_replicate', 'dp_shard']")
+    return FSDPLayout(shard_group=info.shard_process_group, shard_size=info.shard_mesh_size,
+                      shard_index=info.shard_mesh_rank, replicate_group=replicate, replicas=replicas,
+                      groups=tuple(groups))

@@ -46,6 +46,7 @@ DDP-wrapped nor fully_shard-ed with several replicas, a tensor- or context-paral
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -123,11 +124,19 @@ def stage_module(submod: torch.nn.Module) -> tuple[torch.nn.Module, str]:
         meshes = {(p.device_mesh.mesh_dim_names, tuple(p.device_mesh.mesh.flatten().tolist())): p.device_mesh
                   for p in submod.parameters() if isinstance(p, DTensor)}  # equal meshes, not the same objects
         names = set().union(*(m.mesh_dim_names or () for m in meshes.values()))
-        if len(meshes) > 1 or {"tp", "cp"} & names:
-            raise LayoutError("tensor or context parallelism inside a pipeline stage (a stage module with DTensor "
-                              "tensor-parallel parameters) is not covered: the pipeline adapter handles stage modules "
-                              "that are DDP-wrapped or fully_shard-ed over their data-parallel group only")
+        if "cp" in names:
+            raise LayoutError("context parallelism inside a pipeline stage is not covered: the pipeline adapter "
+                              "handles stage modules fully_shard-ed over their data-parallel dims, with tensor "
+                              "parallelism (a 'tp' dim) or without")
+        if len(meshes) > 1:
+            raise LayoutError("a stage module's parameters live on several device meshes: build its tensor and "
+                              "data parallelism on one slice of the world mesh (mesh['dp_shard', 'tp'])")
         return submod, "fsdp"
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in submod.parameters()):
+        raise LayoutError("a stage module with DTensor (tensor-parallel) parameters must be fully_shard-ed over its "
+                          "data-parallel dims: DistributedDataParallel over DTensor parameters is not supported")
     return submod, "plain"
 
 
@@ -196,7 +205,9 @@ class StageOutputs:
         def on_output(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
             if self._rows is None:
                 return
-            tensors = [t.detach() for t in _tensors(output) if t.is_floating_point()]
+            # a tensor-parallel stage's output may be a DTensor (sequence-parallel activations, loss-parallel
+            # logits): this rank's local part, which its partner in the same coordinate computes too
+            tensors = [local_shard(t.detach()) for t in _tensors(output) if t.is_floating_point()]
             if not tensors or any(t.is_meta for t in tensors):
                 return
             with torch.no_grad():
@@ -252,30 +263,38 @@ def coordinate(schedule: Any, *, dp_group: dist.ProcessGroup | None = None, mesh
     modules, kind = _stage_modules(stages)
     pp_ranks = group_ranks(stage.group)
     indices = tuple(by_rank[pp_rank])
-    dims: tuple[tuple[str, int], ...]
+    dims: tuple[tuple[str, int], ...] = ()
     if mesh is not None:
-        names = tuple(mesh.mesh_dim_names or ())
-        other = [n for n in names if n != "pp" and n not in _DP_DIMS]
-        dp_names = [n for n in names if n in _DP_DIMS]
-        if "pp" not in names or other or len(dp_names) > 1:
-            raise LayoutError(f"mesh dims {names}: a pipeline stage's mesh here is ('pp', one data-parallel dim of "
-                              f"{_DP_DIMS}); tensor or context parallel dims ({other or 'none'}) and several "
-                              "data-parallel dims are not covered by the pipeline adapter: pass dp_group=")
+        from sdc_telemetry.parallel.coordinates import canonical
+
+        raw = tuple(mesh.mesh_dim_names or ())
+        names = canonical(raw)  # torchtitan's dense mesh calls dp_shard 'fsdp'
+        size = {n: mesh.size(i) for i, n in enumerate(names)}
+        other = [n for n in names if n not in ("pp", "tp") and n not in _DP_DIMS]
+        dp_names = [n for n in names if n in _DP_DIMS and size[n] > 1]
+        if "pp" not in names or other or (kind != "fsdp" and (size.get("tp", 1) > 1 or len(dp_names) > 1)):
+            raise LayoutError(f"mesh dims {raw}: a pipeline stage's mesh here is 'pp' with data-parallel dims "
+                              f"({', '.join(_DP_DIMS)}; several, and 'tp', with fully_shard-ed stage modules); "
+                              f"other dims ({other or 'none'}) are not covered by the pipeline adapter")
         if group_ranks(mesh.get_group("pp")) != pp_ranks:
             raise LayoutError(f"the mesh's pp group {group_ranks(mesh.get_group('pp'))} is not the stage's group "
                               f"{pp_ranks}")
-        if dp_names:
-            dp_group = mesh.get_group(dp_names[0])
+        if kind != "fsdp" and dp_names:
+            dp_group = mesh.get_group(raw[names.index(dp_names[0])])
             # a replicated stage (DDP) is torchtitan's dp_replicate, whatever the mesh calls its dp dim
             dims = (("dp_replicate" if dp_names[0] == "dp" else dp_names[0], dist.get_rank(dp_group)),)
-        else:
-            dims = ()
     if kind == "fsdp":
-        lay = _fsdp_layout(modules)
+        lay = _fsdp_layout(modules, mesh)
         replicas = lay.shard_size * lay.replicas
+        if mesh is not None and (held := math.prod(size[n] for n in names if n in _DP_DIMS)) != replicas:
+            raise LayoutError(f"the stage modules are fully_shard-ed over {replicas} ranks but the mesh's "
+                              f"data-parallel dims hold {held}")
         rep = dist.get_rank(lay.replicate_group) if lay.replicate_group is not None else 0
         dp = rep * lay.shard_size + lay.shard_index
         dims = ((("dp_replicate", rep),) if lay.hsdp else ()) + (("dp_shard", lay.shard_index),)
+        if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) and mesh.size(
+                list(mesh.mesh_dim_names).index("tp")) > 1:
+            dims += (("tp", mesh.get_local_rank("tp")),)
         if dp_group is not None and dist.get_world_size(dp_group) != replicas:
             raise LayoutError(f"the stage module is fully_shard-ed over {replicas} ranks but the data-parallel "
                               f"group has {dist.get_world_size(dp_group)}")
@@ -303,19 +322,33 @@ def coordinate(schedule: Any, *, dp_group: dist.ProcessGroup | None = None, mesh
     return StageCoordinate(pp_rank, len(pp_ranks), stage.group, dp, len(dp_ranks), dp_group, dims, indices)
 
 
-def _fsdp_layout(modules: Sequence[torch.nn.Module]) -> Any:
+def _fsdp_layout(modules: Sequence[torch.nn.Module], mesh: Any = None) -> Any:
     """The FSDP2 layout of a rank's fully_shard-ed stage modules: one module's, or several on the same mesh with
-    their parameter groups together (each stage module is its own fully_shard root, as torchtitan shards them)."""
+    their parameter groups together (each stage module is its own fully_shard root, as torchtitan shards them).
+    Tensor-parallel stage modules (their parameters on a (data-parallel, 'tp') mesh) take it from FSDP's own mesh
+    info, checked against the world ``mesh`` (which must then be given)."""
     from dataclasses import replace
 
     from sdc_telemetry.parallel import fsdp
 
+    if any("tp" in (p.device_mesh.mesh_dim_names or ()) for m in modules for p in m.parameters()
+           if hasattr(p, "device_mesh")):
+        from sdc_telemetry.parallel import mesh as nd
+        from sdc_telemetry.parallel.coordinates import canonical
+
+        if mesh is None:
+            raise LayoutError("tensor parallelism inside pipeline stages needs the world mesh: "
+                              "SDCMonitor(model_parts, optimizer, pipeline=schedule, mesh=world_mesh)")
+        nd.check_torch()
+        sizes = {n: mesh.size(i) for i, n in enumerate(canonical(mesh.mesh_dim_names))}
+        return nd.fsdp_layout([g for m in modules for g in fsdp.fsdp_groups(m)], sizes)
     lays = [fsdp.layout_of(m) for m in modules]
     first = lays[0]
     for lay in lays[1:]:
+        replicate = [group_ranks(x.replicate_group) if x.replicate_group is not None else None
+                     for x in (lay, first)]
         if (group_ranks(lay.shard_group), lay.shard_index, lay.replicas) != \
-                (group_ranks(first.shard_group), first.shard_index, first.replicas) \
-                or (lay.replicate_group is None) != (first.replicate_group is None):
+                (group_ranks(first.shard_group), first.shard_index, first.replicas) or replicate[0] != replicate[1]:
             raise LayoutError("this rank's stage modules are fully_shard-ed on different meshes: shard every stage "
                               "module of a rank on the same data-parallel mesh")
     return first if len(lays) == 1 else replace(first, groups=tuple(g for lay in lays for g in lay.groups))
@@ -389,6 +422,9 @@ def _preserved(schedule: Any, stages: Sequence[Any], modules: Sequence[torch.nn.
     scale = schedule.scale_grads
     try:
         yield
+    except BaseException:
+        _drop_runtime_leftovers(schedule, stages)
+        raise
     finally:
         schedule.scale_grads = scale
         schedule._internal_losses[:] = internal
@@ -411,6 +447,27 @@ def _preserved(schedule: Any, stages: Sequence[Any], modules: Sequence[torch.nn.
         torch.set_rng_state(cpu_rng)
         if dev_rng is not None:
             torch.cuda.set_rng_state(dev_rng, device)
+
+
+def _drop_runtime_leftovers(schedule: Any, stages: Sequence[Any]) -> None:
+    """After a rerun that failed part-way under a multi-stage schedule: what its action loop leaves only when it
+    stops early (pending receives, unshard handles, unsharded FSDP stages, backward counts), which the next real
+    step would trip on ("Recv twice", "Unsharding the same stage twice"). Every rank of a failing rerun gets here."""
+    for name in ("fwd_recv_ops", "bwd_recv_ops", "unshard_ops", "backward_counter"):
+        pending = getattr(schedule, name, None)
+        if isinstance(pending, dict):
+            pending.clear()
+    unsharded = getattr(schedule, "unsharded_stages", None)
+    if isinstance(unsharded, set):
+        from sdc_telemetry.parallel import fsdp
+
+        fsdp_type = fsdp._fsdp_module_type()
+        for stage in stages:
+            if stage.stage_index in unsharded and fsdp_type is not None:
+                for m in stage.submod.modules():
+                    if isinstance(m, fsdp_type):
+                        m.reshard()  # type: ignore[attr-defined]
+        unsharded.clear()
 
 
 def rerun(schedule: Any, *inputs: Any, target: Any = None, cpu_rng: torch.Tensor | None = None,
@@ -560,10 +617,17 @@ class PipelineStageLayout(Layout):
                               "nor fully_shard-ed: its gradients are never reduced, so replicas drift apart")
         if comm_hook is not None and self.kind != "ddp":
             raise ValueError("comm_hook= wraps a DDP all-reduce; this stage module is not DDP-wrapped")
+        if comm_hook is not None and len(self.parts) > 1:
+            raise ValueError(f"comm_hook= is one hook with one state, and this rank runs {len(self.parts)} "
+                             "DDP-wrapped stage modules: a stateful hook (PowerSGD's error feedback per bucket "
+                             "index) would mix their state; run several stages per rank with DDP's own all-reduce")
+        ids = [id(p) for m in modules for p in m.parameters()]
+        if len(set(ids)) != len(ids):
+            raise LayoutError("this rank's stage modules share parameters (tied weights across stages): each stage "
+                              "module must hold its own")
         self._ddp: list[Any] = []
         self._fsdp: Any = None
         self._tap: Any = None
-        shards, shard = 1, 0
         if self.kind == "ddp":
             from sdc_telemetry.parallel.ddp import DDP
 
@@ -577,26 +641,24 @@ class PipelineStageLayout(Layout):
                                       "ASSERT params_.size() == rebuilt_param_indices_.size())")
                 self._ddp.append(DDP(submod, comm_hook=comm_hook, comm_state=comm_state))
         elif self.kind == "fsdp":
-            self._fsdp = _fsdp_layout(modules)
-            shards, shard = self._fsdp.shard_size, self._fsdp.shard_index
+            self._fsdp = _fsdp_layout(modules, mesh)
         self.reduces = self.kind != "plain"
-        self._shards = shards
-        self._slot = c.stage * shards + shard
         ranks, rank = world_ranks()
         module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
         super().__init__(self.parts[0] if len(self.parts) == 1 else torch.nn.ModuleList(self.parts), module, None,
                          ranks, rank)
         self.stage_modules = modules
         device = next(module.parameters()).device
-        rows = gather_rows(torch.tensor([c.stage, c.dp, self._slot, c.stages, c.replicas, len(modules)],
+        dims = dict(c.dims)
+        tp = mesh.size(list(mesh.mesh_dim_names).index("tp")) if "tp" in dims else 1  # dims: tp when > 1
+        rows = gather_rows(torch.tensor([c.stage, c.dp, dims.get("tp", 0), c.stages, c.replicas, len(modules), tp],
                                         dtype=torch.int64), None, device)
-        seen = {(r[0], r[1]) for r in rows}
-        if len(seen) != len(rows) or any(r[3] != c.stages or r[4] != c.replicas or r[5] != len(modules)
-                                         for r in rows) or len(rows) != c.stages * c.replicas:
-            raise LayoutError(f"the ranks' (pp rank, data-parallel index) pairs {[(r[0], r[1]) for r in rows]} are "
-                              f"not a {c.stages} x {c.replicas} grid over the {len(rows)} ranks, each with "
+        seen = {(r[0], r[1], r[2]) for r in rows}
+        if len(seen) != len(rows) or any(r[3:] != [c.stages, c.replicas, len(modules), tp] for r in rows) \
+                or len(rows) != c.stages * c.replicas * tp:
+            raise LayoutError(f"the ranks' (pp rank, data-parallel index, tp rank) {sorted(seen)} are not a "
+                              f"{c.stages} x {c.replicas} x {tp} grid over the {len(rows)} ranks, each with "
                               f"{len(modules)} stage(s)")
-        self.shard_of = [r[2] for r in rows]
         # every position's pipeline stages (the same schedule maps the same stages to a pp rank in every replica)
         by_rank, _ = _local_stages(schedule, self.stages)
         self.stages_of_position = [by_rank[r[0]] for r in rows]
@@ -609,8 +671,12 @@ class PipelineStageLayout(Layout):
                 sizes["dp_replicate"] = self._fsdp.replicas
         elif c.replicas > 1:
             sizes["dp_replicate"] = c.replicas
+        if tp > 1:
+            sizes["tp"] = tp
         mine = {d: v for d, v in c.as_dict().items() if d in sizes}
         self.coordinates = Coordinates.gather(sizes, mine, device)
+        # the shard key (pp, dp_shard, tp): the ranks that hold the same tensors, whose weights are compared
+        self.shard_of = list(self.coordinates.key_of)
         self._outputs: StageOutputs | None = None
 
     # -- who holds what ------------------------------------------------------------------------------------------
@@ -629,17 +695,18 @@ class PipelineStageLayout(Layout):
         if self.weight_replicas:
             return None
         if self.kind == "fsdp":
-            return ("each pipeline stage is fully_shard-ed on a 1-D mesh: no replica holds a stage's shard, so the "
-                    "weight check has nothing to compare and is off (a (replicate, shard) mesh has replicas)")
+            return ("each pipeline stage is fully_shard-ed without a dp_replicate dimension: no replica holds a "
+                    "stage's shard, so the weight check has nothing to compare and is off (a (replicate, shard) mesh "
+                    "has replicas)")
         return "one data-parallel replica per stage: weight and replay checks need several and are off"
 
     @property
     def digest_keys(self) -> int:
-        return self.coordinate.stages * self._shards
+        return int(self.coordinates.keys)
 
     @property
     def digest_key(self) -> int:
-        return self._slot
+        return int(self.coordinates.key_of[self.position])
 
     @property
     def digest_group(self) -> dist.ProcessGroup | None:
@@ -678,7 +745,17 @@ class PipelineStageLayout(Layout):
     def reduction_mismatch(self) -> torch.Tensor | None:
         """Each DDP stage module's reduce-phase checksum, together (1 where any stage's says the reduced gradients
         are not the sum of the local ones)."""
-        flags = [f for f in (ddp.reduction_mismatch() for ddp in self._ddp) if f is not None]
+        flags, failed = [], None
+        for ddp in self._ddp:  # every stage module's round is settled, even after one fails
+            try:
+                flag = ddp.reduction_mismatch()
+            except Exception as e:  # noqa: BLE001 - raised once every part was read
+                failed = e
+                continue
+            if flag is not None:
+                flags.append(flag)
+        if failed is not None:
+            raise failed
         if not flags:
             return None
         return flags[0] if len(flags) == 1 else torch.stack(flags).amax()
@@ -740,5 +817,5 @@ class PipelineStageLayout(Layout):
         where = (f"pipeline stage {c.stage} of {c.stages}" if len(self.stages) == 1 else
                  f"pipeline stages {list(c.indices)} of {self.stages[0].num_stages} on pp rank {c.stage} of {c.stages}")
         return (f"{where} ({type(self.schedule).__name__}), {self.kind} over {c.replicas} replica(s), "
-                f"{self.world} rank(s)")
+                f"{self.world} rank(s) ({self.coordinates.describe()})")
 

@@ -212,12 +212,16 @@ def refusals(rank: int, mesh: Any) -> dict[str, str]:
     attempt("zero_bubble", lambda: ScheduleInterleavedZeroBubble(stages([pp, pp + 2]), MICRO, loss_fn=loss_fn))
     interleaved = ScheduleInterleaved1F1B(ddp_stages([pp, pp + 2]), MICRO, loss_fn=loss_fn)
     parts = [stage.submod for stage in interleaved._stages]
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
     import sdc_telemetry as sdc
 
-    for name, given in (("parts_reversed", parts[::-1]), ("parts_missing", parts[:1])):
+    for name, given, hook in (("parts_reversed", parts[::-1], None), ("parts_missing", parts[:1], None),
+                              ("parts_one_comm_hook", parts, allreduce_hook)):
         try:
             sdc.SDCMonitor(given, torch.optim.SGD([p for m in parts for p in m.parameters()], lr=0.1),
-                           pipeline=interleaved, mesh=mesh, config=sdc.SDCConfig(metrics_port=None, nvml=False))
+                           pipeline=interleaved, mesh=mesh, config=sdc.SDCConfig(metrics_port=None, nvml=False),
+                           comm_hook=hook, comm_state=dp_group if hook is not None else None)
             out[name] = "accepted"
         except ValueError as e:
             out[name] = str(e)

@@ -126,3 +126,81 @@ def run_pp(rank: int, world: int, scenarios: list[dict[str, Any]]) -> list[dict[
         out.append(run_one(rank, world // 2, sc))
         dist.barrier()
     return out
+
+
+def build_tp(stage: int, stages: int, tp_mesh: Any) -> nn.Module:
+    """A stage of an MLP with tensor parallelism inside it: a column-parallel Linear, ReLU, a row-parallel Linear
+    (its output replicated over tp by the all-reduce), as torchtitan's ``parallelize_module`` lays out an MLP.
+    No dropout: the tp ranks of a stage would draw different masks from their own generators."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(stage)
+    module = nn.Sequential(nn.Linear(8 if stage == 0 else 16, 32), nn.ReLU(),
+                           nn.Linear(32, 4 if stage == stages - 1 else 16))
+    return parallelize_module(module, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def run_tp_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
+    """pp 2 x dp_shard 2 x tp 2 (torchtitan's dim order): each stage module tensor-parallel over ``tp`` and
+    fully_shard-ed over ``dp_shard``, a Schedule1F1B (or two stages a rank under ScheduleInterleaved1F1B); the
+    monitor takes the stage module (or the rank's stage modules) and the world mesh."""
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp_shard", "tp"))
+    pp, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp_shard")
+    interleaved = sc.get("schedule") == "interleaved"
+    indices = [pp, pp + 2] if interleaved else [pp]
+    parts = [build_tp(i, 2 * len(indices), mesh["tp"]) for i in indices]
+    for part in parts:
+        fully_shard(part, mesh=mesh["dp_shard"])
+    stages = [PipelineStage(part, i, 2 * len(indices), CPU, group=mesh.get_group("pp"))
+              for part, i in zip(parts, indices, strict=True)]
+    schedule: Any = (ScheduleInterleaved1F1B(stages, MICRO, loss_fn=loss_fn) if interleaved
+                     else Schedule1F1B(stages[0], MICRO, loss_fn=loss_fn))
+    first, last = stages[0].is_first, stages[-1].is_last
+    module = nn.ModuleList(parts) if interleaved else parts[0]
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    faults = FaultInjector(module, opt)
+    for kind, args in sc.get("faults", {}).items():
+        if args["rank"] == rank:
+            getattr(faults, kind)(**args)
+    recorder = Recorder()
+    monitor = None
+    if sc.get("monitor", True):
+        monitor = sdc.SDCMonitor(parts if interleaved else module, opt, pipeline=schedule, mesh=mesh,
+                                 observer=recorder,
+                                 config=sdc.SDCConfig(metrics_port=None, nvml=False, **sc.get("config", {})))
+    losses: list[list[float] | None] = []
+    for k in range(sc.get("steps", 4)):
+        gen = torch.Generator().manual_seed(1000 * dp + k)  # the same batch on a replica's every rank
+        x, y = torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+        if monitor is not None:
+            with monitor.step((x, y)) as st:
+                out = st.pipeline_step(x, target=y)
+        else:
+            out = [] if last else None
+            schedule.step(*((x,) if first else ()), **({"target": y, "losses": out} if last else {}))
+        losses.append([float(t.detach()) for t in out] if out is not None else None)
+        opt.step()
+        opt.zero_grad()
+    if monitor is not None:
+        monitor.close()
+    faults.close()
+    return {"incidents": [(i.step, i.check, list(i.suspect_ranks), i.evidence.get("verdict"),
+                           i.evidence.get("coordinate"), bool(i.evidence.get("ambiguous")),
+                           [i.evidence["stage"], i.evidence["stage_found_by"]] if "stage" in i.evidence else None)
+                          for i in (monitor.incidents if monitor else [])],
+            "layout": monitor.layout.describe() if monitor else None, "fired": list(faults.fired),
+            "counts": recorder.counts(), "errors": recorder.errors, "losses": losses,
+            "weights": {n: p.to_local().detach().clone() for n, p in module.named_parameters()}}
+
+
+def pp_hosts(rank: int) -> dict[str, str]:
+    """Each pipeline stage of the pp x dp_shard x tp mesh on a host of its own (ranks 0-3 stage 0, 4-7 stage 1)."""
+    return {"SDC_HOST_NAME": f"node{rank // 4}"}
+
+
+def run_pp_tp(rank: int, world: int, scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for sc in scenarios:
+        out.append(run_tp_one(rank, sc))
+        dist.barrier()
+    return out

@@ -114,6 +114,7 @@ def test_uncovered_pipelines_are_refused_by_name(ranks: list[dict[str, Any]]) ->
         assert "zero-bubble" in f["zero_bubble"] and "ScheduleInterleavedZeroBubble" in f["zero_bubble"]
         assert "the 2 stage modules this rank runs, in local stage order" in f["parts_reversed"]
         assert "got other modules" in f["parts_reversed"] and "got 1 module(s)" in f["parts_missing"]
+        assert "one hook with one state" in f["parts_one_comm_hook"]
         assert "neither DistributedDataParallel" in f["plain_module"]
         assert "without loss_fn" in f["no_loss_fn"]
         assert "needs target=" in f["no_target"]
