@@ -38,10 +38,13 @@ What torch 2.13's pipelining does with a step (read from its source, checked by 
 
 Covered: one stage per rank (``ScheduleGPipe``, ``Schedule1F1B``) or several (``ScheduleInterleaved1F1B``,
 ``ScheduleLoopedBFS``), stage modules DDP-wrapped (over the dp group) or ``fully_shard``-ed on a 1-D dp mesh or a 2-D
-(replicate, shard) mesh, or plain modules when there is one replica. Refused by name: zero-bubble and DualPipe
-schedules (split input/weight backward), forward-only schedules and schedules without ``loss_fn``, custom or loaded
-schedules, a rank's stages out of the schedule's order or wrapped differently, a stage module that is neither
-DDP-wrapped nor fully_shard-ed with several replicas, a tensor- or context-parallel mesh.
+(replicate, shard) mesh, tensor parallelism inside fully_shard-ed stage modules (``parallelize_module`` over the
+world mesh's ``tp``, ``mesh=`` given: the shard key is then (pp, dp_shard, tp) and the replay's rerun runs each stage's
+tp collectives), or plain modules when there is one replica. Refused by name: zero-bubble and DualPipe schedules
+(split input/weight backward), forward-only schedules and schedules without ``loss_fn``, custom or loaded schedules,
+a rank's stages out of the schedule's order or wrapped differently, stage modules sharing parameters, one
+``comm_hook`` for several DDP stage modules, a stage module that is neither DDP-wrapped nor fully_shard-ed with
+several replicas, DDP over tensor-parallel (DTensor) parameters, context parallelism inside a stage.
 """
 
 from __future__ import annotations
