@@ -86,33 +86,53 @@ def run_one(rank: int, replicas: int, sc: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(7 + rank)  # dropout draws differ per rank: the replay must take the origin's RNG state
     tally: dict[str, int] = {}
     steps = sc.get("steps", 4)
+
+    def before(k: int) -> None:
+        if sc.get("count_bytes") and k == 1:
+            _count_monitor_bytes(tally)
+
+    losses = _train(monitor, schedule, opt, dp, steps, first, last, before)
+    return {**_result(monitor, faults, recorder, module), "losses": losses,
+            "bytes": {k: v // max(steps - 1, 1) for k, v in tally.items()}}
+
+
+def _train(monitor: Any, schedule: Any, opt: torch.optim.Optimizer, dp: int, steps: int, first: bool, last: bool,
+           before: Any = None) -> list[list[float] | None]:
+    """The training loop of every pipeline scenario: the replica's batch of each step (the same on every rank of a
+    replica), one schedule step (through the monitor when there is one), the update. Returns the last stage's
+    per-micro-batch losses of each step (None elsewhere)."""
     losses: list[list[float] | None] = []
     for k in range(steps):
         gen = torch.Generator().manual_seed(1000 * dp + k)
         x, y = torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen)
-        if sc.get("count_bytes") and k == 1:
-            _count_monitor_bytes(tally)
+        if before is not None:
+            before(k)
         if monitor is not None:
             with monitor.step((x, y)) as st:
                 out = st.pipeline_step(x, target=y)
         else:
             out = [] if last else None
             schedule.step(*((x,) if first else ()), **({"target": y, "losses": out} if last else {}))
-        losses.append([float(t) for t in out] if out is not None else None)
+        losses.append([float(t.detach()) for t in out] if out is not None else None)
         opt.step()
         opt.zero_grad()
     if monitor is not None:
         monitor.close()
+    return losses
+
+
+def _result(monitor: Any, faults: FaultInjector, recorder: Recorder, module: nn.Module) -> dict[str, Any]:
+    """What a scenario's assertions read: each incident as (step, check, suspects, verdict, coordinate, ambiguous,
+    [stage, found by] or None), the layout, the faults fired, the check counts and errors, the local weights."""
     faults.close()
-    local = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
-             for n, p in module.named_parameters()}
     return {"incidents": [(i.step, i.check, list(i.suspect_ranks), i.evidence.get("verdict"),
                            i.evidence.get("coordinate"), bool(i.evidence.get("ambiguous")),
                            [i.evidence["stage"], i.evidence["stage_found_by"]] if "stage" in i.evidence else None)
                           for i in (monitor.incidents if monitor else [])],
-            "layout": monitor.layout.describe() if monitor else None,
-            "counts": recorder.counts(), "errors": recorder.errors, "losses": losses, "weights": local,
-            "bytes": {k: v // max(steps - 1, 1) for k, v in tally.items()}}
+            "layout": monitor.layout.describe() if monitor else None, "fired": list(faults.fired),
+            "counts": recorder.counts(), "errors": recorder.errors,
+            "weights": {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+                        for n, p in module.named_parameters()}}
 
 
 def stage_hosts(rank: int) -> dict[str, str]:
@@ -121,9 +141,10 @@ def stage_hosts(rank: int) -> dict[str, str]:
 
 
 def run_pp(rank: int, world: int, scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every scenario in turn: pp 2 x dp_replicate (world / 2), or with ``"tp": True`` pp 2 x dp_shard 2 x tp 2."""
     out = []
     for sc in scenarios:
-        out.append(run_one(rank, world // 2, sc))
+        out.append(run_tp_one(rank, sc) if sc.get("tp") else run_one(rank, world // 2, sc))
         dist.barrier()
     return out
 
@@ -168,39 +189,10 @@ def run_tp_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
         monitor = sdc.SDCMonitor(parts if interleaved else module, opt, pipeline=schedule, mesh=mesh,
                                  observer=recorder,
                                  config=sdc.SDCConfig(metrics_port=None, nvml=False, **sc.get("config", {})))
-    losses: list[list[float] | None] = []
-    for k in range(sc.get("steps", 4)):
-        gen = torch.Generator().manual_seed(1000 * dp + k)  # the same batch on a replica's every rank
-        x, y = torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen)
-        if monitor is not None:
-            with monitor.step((x, y)) as st:
-                out = st.pipeline_step(x, target=y)
-        else:
-            out = [] if last else None
-            schedule.step(*((x,) if first else ()), **({"target": y, "losses": out} if last else {}))
-        losses.append([float(t.detach()) for t in out] if out is not None else None)
-        opt.step()
-        opt.zero_grad()
-    if monitor is not None:
-        monitor.close()
-    faults.close()
-    return {"incidents": [(i.step, i.check, list(i.suspect_ranks), i.evidence.get("verdict"),
-                           i.evidence.get("coordinate"), bool(i.evidence.get("ambiguous")),
-                           [i.evidence["stage"], i.evidence["stage_found_by"]] if "stage" in i.evidence else None)
-                          for i in (monitor.incidents if monitor else [])],
-            "layout": monitor.layout.describe() if monitor else None, "fired": list(faults.fired),
-            "counts": recorder.counts(), "errors": recorder.errors, "losses": losses,
-            "weights": {n: p.to_local().detach().clone() for n, p in module.named_parameters()}}
+    losses = _train(monitor, schedule, opt, dp, sc.get("steps", 4), first, last)
+    return {**_result(monitor, faults, recorder, module), "losses": losses}
 
 
 def pp_hosts(rank: int) -> dict[str, str]:
     """Each pipeline stage of the pp x dp_shard x tp mesh on a host of its own (ranks 0-3 stage 0, 4-7 stage 1)."""
     return {"SDC_HOST_NAME": f"node{rank // 4}"}
-
-
-def run_pp_tp(rank: int, world: int, scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
-    for sc in scenarios:
-        out.append(run_tp_one(rank, sc))
-        dist.barrier()
-    return out

@@ -57,14 +57,20 @@ def test_pp_dp_healthy_run_counts_every_check_and_changes_nothing(pp: dict[str, 
 
     torch 2.13's DDP stage all-reduces the last stage's bucket twice in the first step, so the step-0 audit is
     skipped (a repeated reduction), said once; the step-2 and step-4 audits run."""
-    for r, off in zip(pp["healthy"], pp["off"], strict=True):
+    _healthy_and_unchanged(pp["healthy"], pp["off"])
+
+
+def _healthy_and_unchanged(runs: tuple[dict[str, Any], ...], off: tuple[dict[str, Any], ...]) -> None:
+    """Every check counted as passing on every rank (5 steps: the step-0 audit skipped, two replays), nothing found,
+    and losses and weights bitwise those of the unmonitored run."""
+    for r, plain in zip(runs, off, strict=True):
         assert r["incidents"] == [] and r["errors"] == []
         counts = r["counts"]
         assert counts["grad_local"] == {"pass": 5} and counts["grad_reduced"] == {"pass": 5}
         assert counts["weights"] == {"pass": 5} and counts["replay"].get("pass") == 2, counts
         assert "error" not in counts["replay"] and "fail" not in counts["replay"]
-        assert r["losses"] == off["losses"]
-        assert all(r["weights"][n].equal(w) for n, w in off["weights"].items())
+        assert r["losses"] == plain["losses"]
+        assert all(r["weights"][n].equal(w) for n, w in plain["weights"].items())
 
 
 def test_pp_dp_weight_flip_named_with_stage_and_replica(pp: dict[str, Any]) -> None:
@@ -108,15 +114,9 @@ def test_interleaved_schedule_healthy_counts_every_check_and_changes_nothing(pp:
     """``ScheduleInterleaved1F1B`` with two DDP stage modules per rank (``SDCMonitor(model_parts, ...)``): both stage
     modules' gradients are tapped (one DDP each), weights pass per pp rank across the three replicas, the partner
     replica's rerun of the whole schedule step passes, and training is bitwise that of the unmonitored run."""
-    for r, off in zip(pp["interleaved"], pp["interleaved_off"], strict=True):
-        assert r["incidents"] == [] and r["errors"] == []
-        assert "pipeline stages" in r["layout"] and "ScheduleInterleaved1F1B" in r["layout"]
-        counts = r["counts"]
-        assert counts["grad_local"] == {"pass": 5} and counts["grad_reduced"] == {"pass": 5}
-        assert counts["weights"] == {"pass": 5} and counts["replay"].get("pass") == 2, counts
-        assert "error" not in counts["replay"] and "fail" not in counts["replay"]
-        assert r["losses"] == off["losses"]
-        assert all(r["weights"][n].equal(w) for n, w in off["weights"].items())
+    assert all("pipeline stages" in r["layout"] and "ScheduleInterleaved1F1B" in r["layout"]
+               for r in pp["interleaved"])
+    _healthy_and_unchanged(pp["interleaved"], pp["interleaved_off"])
 
 
 def test_interleaved_compute_fault_named_at_its_stage_not_its_rank(pp: dict[str, Any]) -> None:

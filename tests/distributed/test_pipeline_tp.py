@@ -11,7 +11,7 @@ import pytest
 
 from sdc_telemetry.testing import spawn_ranks
 
-from ._pp import pp_hosts, run_pp_tp
+from ._pp import pp_hosts, run_pp
 from ._scenarios import on_path
 
 TRANSIENT = {"perturb_output": {"rank": 5, "step": 2, "module": "0", "relative": 1e-3, "transient": True}}
@@ -34,7 +34,7 @@ def runs() -> dict[str, Any]:
     scenarios = on_path(list(SCENARIOS.values()), "immediate") + on_path([SCENARIOS[k] for k in DEFERRED],
                                                                          "deferred")
     names = list(SCENARIOS) + [f"{k}_deferred" for k in DEFERRED]
-    results = spawn_ranks(run_pp_tp, 8, (scenarios,), timeout=900, rank_env=pp_hosts)
+    results = spawn_ranks(run_pp, 8, ([{**sc, "tp": True} for sc in scenarios],), timeout=900, rank_env=pp_hosts)
     return dict(zip(names, zip(*results, strict=True), strict=True))
 
 
