@@ -1,10 +1,10 @@
 """N-D parallelism: step-time overhead and audit cost on TP x DP (and PP x DP), and a detection campaign on TP x DP.
 
     python benchmarks/nd.py                       # HSDP x TP (2x2x2, 8 gloo ranks), then PP x DP (2x2, 4 ranks),
-                                                  # then PP x DP interleaved (2 stages a rank)
+                                                  # PP x DP interleaved (2 stages a rank), PP x FSDP x TP (8 ranks)
     python benchmarks/nd.py --layout pp_dp        # one layout: hsdp_tp, fsdp_tp (dp_shard 2 x tp 2), pp_dp or
-                                                  # pp_interleaved (fsdp_tp has no weight replicas: no weight
-                                                  # check runs)
+                                                  # pp_interleaved, pp_tp (pp 2 x dp_shard 2 x tp 2; it and
+                                                  # fsdp_tp have no weight replicas: shards checked at rest)
     python benchmarks/nd.py --quick               # tiny model, two short rounds of both layouts (the smoke test)
     python benchmarks/nd.py --campaign            # fault campaign on HSDP x TP (8 gloo ranks)
     python benchmarks/nd.py --campaign --quick    # one trial of each fault class (the smoke test)
@@ -20,7 +20,8 @@ data-parallel group (``find_unused_parameters=True``, which torch 2.13's schedul
 ``step.pipeline_step(x, target=y)``; the baseline calls ``schedule.step`` itself. PP x DP interleaved: the same
 GPT cut into four stages, two per pp rank (stages q and q + 2 on pp rank q), each DDP-wrapped, a
 ``ScheduleInterleaved1F1B`` of 4 micro-batches, and ``SDCMonitor([stage_a, stage_b], optimizer, pipeline=schedule,
-mesh=mesh)``.
+mesh=mesh)``. PP x FSDP x TP: the TP GPT cut into two stages on a ``(pp 2, dp_shard 2, tp 2)`` mesh, each stage's
+blocks tensor-parallel and fully_shard-ed over dp_shard, a ``Schedule1F1B``.
 
 Overhead: configurations, each its own copy of the same model (same seed, own optimizer; the monitor wraps a
 model's reduce-scatter, so copies cannot be shared): unmonitored (the baseline); gradient checks + weights every
@@ -79,13 +80,15 @@ LAYOUTS: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
     "fsdp_tp": ((2, 2), ("dp_shard", "tp")),
     "pp_dp": ((2, 2), ("dp_replicate", "pp")),
     "pp_interleaved": ((2, 2), ("dp_replicate", "pp")),
+    "pp_tp": ((2, 2, 2), ("pp", "dp_shard", "tp")),
 }
 TITLES = {"hsdp_tp": "HSDP x TP (dp_replicate 2 x dp_shard 2 x tp 2, 8 gloo ranks)",
           "fsdp_tp": "FSDP x TP (dp_shard 2 x tp 2, 4 gloo ranks)",
           "pp_dp": "PP x DP (2 stages x 2 DDP replicas, ScheduleGPipe, 4 gloo ranks)",
           "pp_interleaved": "PP x DP interleaved (4 stages, 2 a rank x 2 DDP replicas, ScheduleInterleaved1F1B, "
-                            "4 gloo ranks)"}
-PIPELINES = ("pp_dp", "pp_interleaved")
+                            "4 gloo ranks)",
+          "pp_tp": "PP x FSDP x TP (pp 2 x dp_shard 2 x tp 2, Schedule1F1B, 8 gloo ranks)"}
+PIPELINES = ("pp_dp", "pp_interleaved", "pp_tp")
 MICRO = 4  # pipeline micro-batches per step
 REPLAY_EVERY = 10
 QUICK_REPLAY_EVERY = 4
@@ -236,6 +239,26 @@ def build_pp(spec: dict[str, int], mesh: Any, seed: int = 0, per_rank: int = 1
     return nn.ModuleList(modules), wrapped, ScheduleInterleaved1F1B(built, MICRO, loss_fn=pp_loss), first, last
 
 
+def build_pp_tp(spec: dict[str, int], mesh: Any, seed: int = 0) -> tuple[nn.Module, nn.Module, Any, bool, bool]:
+    """This rank's stage of the TP GPT: its blocks tensor-parallel over ``mesh["tp"]`` (the plan of ``build_tp``),
+    then the blocks and the stage fully_shard-ed over ``mesh["dp_shard"]``, a Schedule1F1B over ``mesh["pp"]``.
+    Returns (module, what the monitor takes, schedule, first, last)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    pp = mesh.get_local_rank("pp")
+    stages = mesh["pp"].size()
+    if spec["heads"] % mesh["tp"].size():
+        raise ValueError(f"heads={spec['heads']} must be a multiple of tp={mesh['tp'].size()}")
+    torch.manual_seed(seed)
+    module = Stage(spec, pp, stages)
+    for block in module.blocks:
+        parallelize_module(block, mesh["tp"], TP_PLAN)
+        fully_shard(block, mesh=mesh["dp_shard"])
+    fully_shard(module, mesh=mesh["dp_shard"])
+    stage = PipelineStage(module, pp, stages, torch.device("cpu"), group=mesh.get_group("pp"))
+    return module, module, Schedule1F1B(stage, MICRO, loss_fn=pp_loss), stage.is_first, stage.is_last
+
+
 # -- overhead -------------------------------------------------------------------------------------------------------
 
 
@@ -261,8 +284,9 @@ class _Copy:
         config = sdc.SDCConfig(metrics_port=None, nvml=False, **(fields or {}))
         self.schedule: Any = None
         if spec["layout"] in PIPELINES:
-            self.model, wrapped, self.schedule, self.first, self.last = build_pp(
-                spec["model"], mesh, per_rank=2 if spec["layout"] == "pp_interleaved" else 1)
+            self.model, wrapped, self.schedule, self.first, self.last = build_pp_tp(spec["model"], mesh) \
+                if spec["layout"] == "pp_tp" else build_pp(spec["model"], mesh,
+                                                           per_rank=2 if spec["layout"] == "pp_interleaved" else 1)
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
             self.monitor = None if fields is None else sdc.SDCMonitor(
                 wrapped, self.opt, pipeline=self.schedule, mesh=mesh, observer=self.tally, config=config)
@@ -299,7 +323,8 @@ def _overhead_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     copies = [_Copy(spec, fields, mesh) for _, fields in configs(spec["replay_every"])]
     m = spec["model"]
-    replica = dp_index(mesh) if spec["layout"] not in PIPELINES else int(mesh["dp_replicate"].get_local_rank())
+    replica = dp_index(mesh) if spec["layout"] not in ("pp_dp", "pp_interleaved") \
+        else int(mesh["dp_replicate"].get_local_rank())
     it = iter(token_batches(spec["steps"], spec["batch"], m["seq"], m["vocab"], seed=100 + replica))
     for c in copies:
         for _ in range(spec["warmup"]):
@@ -693,7 +718,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, short rounds / one trial per class (smoke test)")
     p.add_argument("--campaign", action="store_true", help="the fault campaign on HSDP x TP instead of the overhead")
     p.add_argument("--layout", choices=["all", *sorted(LAYOUTS)], default="all",
-                   help="the layout timed (all: hsdp_tp, pp_dp, then pp_interleaved)")
+                   help="the layout timed (all: hsdp_tp, pp_dp, pp_interleaved, then pp_tp; --quick: not pp_tp)")
     p.add_argument("--trials", type=int, default=6, help="campaign trials per fault class")
     p.add_argument("--seed", type=int, default=0, help="campaign seed")
     p.add_argument("--spawns", type=int, default=2, help="campaign: process spawns the trials are grouped into")
@@ -707,7 +732,9 @@ def main(argv: Sequence[str] | None = None) -> None:
              else run_campaign(args.trials, seed=args.seed, spawns=args.spawns))
         print(f"wrote {write_json('nd_campaign', c, args.out_dir)}")
         return
-    layouts = ["hsdp_tp", "pp_dp", "pp_interleaved"] if args.layout == "all" else [args.layout]
+    # --quick (the smoke test) leaves out pp_tp, 8 more ranks: tests/distributed/test_pipeline_tp.py runs that layout
+    every = ["hsdp_tp", "pp_dp", "pp_interleaved"] + ([] if args.quick else ["pp_tp"])
+    layouts = every if args.layout == "all" else [args.layout]
     results = {}
     for layout in layouts:
         batch = 8 if layout in PIPELINES else 4  # MICRO micro-batches per pipeline step

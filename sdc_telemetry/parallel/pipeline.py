@@ -124,16 +124,17 @@ def stage_module(submod: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     if fsdp.is_fully_sharded(submod):
         from torch.distributed.tensor import DTensor
 
-        meshes = {(p.device_mesh.mesh_dim_names, tuple(p.device_mesh.mesh.flatten().tolist())): p.device_mesh
-                  for p in submod.parameters() if isinstance(p, DTensor)}  # equal meshes, not the same objects
+        meshes = {_mesh_key(p.device_mesh): p.device_mesh for p in submod.parameters() if isinstance(p, DTensor)}
+        roots = {_mesh_key(m._get_root_mesh()) for m in meshes.values()}  # (dp_shard) and (dp_shard, tp) slices
         names = set().union(*(m.mesh_dim_names or () for m in meshes.values()))
         if "cp" in names:
             raise LayoutError("context parallelism inside a pipeline stage is not covered: the pipeline adapter "
                               "handles stage modules fully_shard-ed over their data-parallel dims, with tensor "
                               "parallelism (a 'tp' dim) or without")
-        if len(meshes) > 1:
+        if len(roots) > 1:
             raise LayoutError("a stage module's parameters live on several device meshes: build its tensor and "
-                              "data parallelism on one slice of the world mesh (mesh['dp_shard', 'tp'])")
+                              "data parallelism on slices of one world mesh (init_device_mesh, then mesh['tp'], "
+                              "mesh['dp_shard'])")
         return submod, "fsdp"
     from torch.distributed.tensor import DTensor
 
@@ -141,6 +142,11 @@ def stage_module(submod: torch.nn.Module) -> tuple[torch.nn.Module, str]:
         raise LayoutError("a stage module with DTensor (tensor-parallel) parameters must be fully_shard-ed over its "
                           "data-parallel dims: DistributedDataParallel over DTensor parameters is not supported")
     return submod, "plain"
+
+
+def _mesh_key(mesh: Any) -> tuple[Any, ...]:
+    """Equal meshes, not the same objects: their dim names and ranks."""
+    return (mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist()))
 
 
 def _stage_modules(stages: Sequence[Any]) -> tuple[list[torch.nn.Module], str]:
