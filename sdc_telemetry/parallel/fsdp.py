@@ -247,6 +247,51 @@ def recompute_grads(layout: FSDPLayout, params: Sequence[torch.nn.Parameter], ru
             h.remove()
 
 
+def capture_grads(layout: FSDPLayout, params: Sequence[torch.nn.Parameter], run_backward: Callable[[], None],
+                  take: Callable[[int, torch.Tensor, float | None], None]) -> None:
+    """Run ``run_backward`` (every rank at once) handing ``take(i, grad, None)`` each parameter's unsharded local
+    gradient as FSDP's post-backward hands it to its reduce-scatter: the input the tap reads in a real step,
+    captured in place of the tap (which must not count a rerun) before the collective runs. For backward passes whose
+    weight gradients never go through autograd's accumulation (the zero-bubble pipeline schedules compute them with
+    ``torch.autograd.grad`` and assign ``.grad``), where ``recompute_grads``' hooks see nothing. Holds each group's
+    gradients until its reduce-scatter, as FSDP itself does across micro-batches."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    index = {id(p): i for i, p in enumerate(params)}
+
+    class _Capture(ReduceScatter):  # type: ignore[misc,valid-type]
+        def __init__(self, inner: Any, pg: Any) -> None:
+            self.inner, self.pg = inner, pg
+
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            out: torch.Tensor = self.inner.allocate(size, dtype=dtype, device=device)
+            return out
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                     op: Any, async_op: bool = False) -> Any:
+            rows = input_tensor.view(group.size(), -1)
+            off = 0
+            for fp in self.pg.fsdp_params:
+                n = fp.padded_sharded_param_size.numel()
+                i = index.get(id(fp.sharded_param))
+                if i is not None:  # the padded unsharded gradient, shard-major: the original flattened first
+                    take(i, rows[:, off:off + n].reshape(-1)[:fp._orig_size.numel()].clone(), None)
+                off += n
+            return self.inner(output_tensor, input_tensor, group, op, async_op)  # the replicas rerun together
+
+    saved = [(module, pg._reduce_scatter_comm) for module, pg in layout.groups]
+    try:
+        for module, pg in layout.groups:
+            current = pg._reduce_scatter_comm
+            # the monitor's tap (GradTap) wraps the comm FSDP had: capture around that one, the tap bypassed
+            module.set_custom_reduce_scatter(_Capture(getattr(current, "inner", current), pg))
+            module.set_requires_gradient_sync(False, recurse=False)
+        run_backward()
+    finally:
+        for module, comm in saved:
+            module.set_custom_reduce_scatter(comm)
+
+
 def _redistributes(fp: Any, grad: torch.Tensor) -> bool:
     """Whether FSDP redistributes this DTensor gradient before reducing it (its placements are not the
     parameter's: a Partial sum over tp), the collective that makes accumulation order matter."""

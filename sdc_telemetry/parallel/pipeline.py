@@ -37,14 +37,18 @@ What torch 2.13's pipelining does with a step (read from its source, checked by 
   outputs: a rerun needs micro-batches of the same shapes).
 
 Covered: one stage per rank (``ScheduleGPipe``, ``Schedule1F1B``) or several (``ScheduleInterleaved1F1B``,
-``ScheduleLoopedBFS``), stage modules DDP-wrapped (over the dp group) or ``fully_shard``-ed on a 1-D dp mesh or a 2-D
-(replicate, shard) mesh, tensor parallelism inside fully_shard-ed stage modules (``parallelize_module`` over the
-world mesh's ``tp``, ``mesh=`` given: the shard key is then (pp, dp_shard, tp) and the replay's rerun runs each stage's
-tp collectives), or plain modules when there is one replica. Refused by name: zero-bubble and DualPipe schedules
-(split input/weight backward), forward-only schedules and schedules without ``loss_fn``, custom or loaded schedules,
-a rank's stages out of the schedule's order or wrapped differently, stage modules sharing parameters, one
-``comm_hook`` for several DDP stage modules, a stage module that is neither DDP-wrapped nor fully_shard-ed with
-several replicas, DDP over tensor-parallel (DTensor) parameters, context parallelism inside a stage.
+``ScheduleLoopedBFS``; with fully_shard-ed stage modules ``ScheduleInterleavedZeroBubble`` and
+``ScheduleZBVZeroBubble``, whose split weight backward assigns ``.grad`` without autograd's accumulation: the rerun
+captures the gradients at FSDP's reduce-scatter, ``fsdp.capture_grads``), stage modules DDP-wrapped (over the dp
+group) or ``fully_shard``-ed on a 1-D dp mesh or a 2-D (replicate, shard) mesh, tensor parallelism inside
+fully_shard-ed stage modules (``parallelize_module`` over the world mesh's ``tp``, ``mesh=`` given: the shard key is
+then (pp, dp_shard, tp) and the replay's rerun runs each stage's tp collectives), or plain modules when there is one
+replica. Refused by name: DualPipe (a forward and a backward overlapped in one action), DDP stage modules under a
+zero-bubble schedule (DDP's reducer never sees its weight gradients), forward-only schedules and schedules without
+``loss_fn``, custom or loaded schedules, a rank's stages out of the schedule's order or wrapped differently, stage
+modules sharing parameters, one ``comm_hook`` for several DDP stage modules, a stage module that is neither
+DDP-wrapped nor fully_shard-ed with several replicas, DDP over tensor-parallel (DTensor) parameters, context
+parallelism inside a stage.
 """
 
 from __future__ import annotations
@@ -68,10 +72,14 @@ from sdc_telemetry.parallel.fsdp import local_shard
 __all__ = ["PipelineStageLayout", "StageCoordinate", "RerunResult", "stages_of", "stage_module", "coordinate",
            "pipeline_step", "rerun", "rng_state", "SUPPORTED_SCHEDULES"]
 
-#: the schedules covered: full backward per micro-batch; one stage per rank, or several (interleaved, looped)
-SUPPORTED_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS")
+#: the schedules covered: one stage per rank, or several (interleaved, looped, and with fully_shard-ed stage modules
+#: the zero-bubble schedules that split each backward into input and weight parts)
+SUPPORTED_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+                       "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
 _SINGLE = ("ScheduleGPipe", "Schedule1F1B")
-_MULTI = ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS")
+_MULTI = ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
+#: split backward: weight gradients by torch.autograd.grad, assigned to .grad (no autograd accumulation, no DDP hook)
+_ZERO_BUBBLE = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
 _DP_DIMS = ("dp_replicate", "dp_shard", "dp")
 
 
@@ -83,16 +91,16 @@ def _schedules() -> Any:
 
 def stages_of(schedule: Any) -> list[Any]:
     """The ``PipelineStage``s a supported schedule runs on this rank, in local stage order (one for ``ScheduleGPipe``
-    and ``Schedule1F1B``, several for ``ScheduleInterleaved1F1B`` and ``ScheduleLoopedBFS``), or ``LayoutError``
-    naming what is not covered (zero-bubble and DualPipe, forward-only, no loss function, a custom schedule)."""
+    and ``Schedule1F1B``, several for the interleaved, looped and zero-bubble schedules), or ``LayoutError``
+    naming what is not covered (DualPipe, forward-only, no loss function, a custom schedule)."""
     s = _schedules()
     name = type(schedule).__name__
     ours = type(schedule).__module__ == s.__name__
     if isinstance(schedule, s.PipelineScheduleMulti):
-        if "ZeroBubble" in name or "ZBV" in name or "DualPipe" in name:
-            raise LayoutError(f"{name} is not supported: zero-bubble and DualPipe schedules split each backward into "
-                              "input and weight parts, so the local gradients of a micro-batch are never complete in "
-                              f"one place the monitor can tap; use one of {', '.join(SUPPORTED_SCHEDULES)}")
+        if "DualPipe" in name:
+            raise LayoutError(f"{name} is not supported: DualPipe overlaps one micro-batch's forward with another's "
+                              "backward in one action, which the monitor does not rerun; use one of "
+                              f"{', '.join(SUPPORTED_SCHEDULES)}")
         if name not in _MULTI or not ours:
             raise LayoutError(f"{name} is not supported: the monitor knows the actions of "
                               f"{', '.join(SUPPORTED_SCHEDULES)} only (a custom or loaded schedule may split or "
@@ -537,7 +545,9 @@ def rerun(schedule: Any, *inputs: Any, target: Any = None, cpu_rng: torch.Tensor
                 acc[i] = grad if prev is None else prev.add_(grad)  # as FSDP accumulates the unsharded gradient
                 factors[i] = divide
 
-            fsdp.recompute_grads(lay, params, run, take)
+            # zero-bubble: weight gradients are assigned, never accumulated by autograd: captured at the reduction
+            recompute = fsdp.capture_grads if type(schedule).__name__ in _ZERO_BUBBLE else fsdp.recompute_grads
+            recompute(lay, params, run, take)
             for g, factor in zip(acc, factors, strict=True):
                 if g is not None and factor is not None:
                     g.div_(factor)  # FSDP divides the reduce-scatter input first (fp16): what the tap saw
@@ -643,6 +653,10 @@ class PipelineStageLayout(Layout):
             for submod in self.parts:
                 assert isinstance(submod, DistributedDataParallel)
                 name = type(schedule).__name__
+                if name in _ZERO_BUBBLE:
+                    raise LayoutError(f"{name} with DDP-wrapped stage modules is not supported: its weight backward "
+                                      "computes gradients with torch.autograd.grad, which DDP's reducer (and the "
+                                      "monitor's comm hook in it) never sees; fully_shard the stage modules")
                 if name != "Schedule1F1B" and not submod.find_unused_parameters:
                     raise LayoutError(f"a DDP-wrapped stage module under {name} needs "
                                       "DistributedDataParallel(..., find_unused_parameters=True): without it torch "

@@ -209,7 +209,8 @@ def refusals(rank: int, mesh: Any) -> dict[str, str]:
                                                                  loss_fn=loss_fn))
     attempt("looped_without_find_unused", lambda: ScheduleLoopedBFS(ddp_stages([pp, pp + 2], find_unused=False),
                                                                     MICRO, loss_fn=loss_fn))
-    attempt("zero_bubble", lambda: ScheduleInterleavedZeroBubble(stages([pp, pp + 2]), MICRO, loss_fn=loss_fn))
+    attempt("zero_bubble_ddp", lambda: ScheduleInterleavedZeroBubble(ddp_stages([pp, pp + 2]), MICRO,
+                                                                      loss_fn=loss_fn))
     interleaved = ScheduleInterleaved1F1B(ddp_stages([pp, pp + 2]), MICRO, loss_fn=loss_fn)
     parts = [stage.submod for stage in interleaved._stages]
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook

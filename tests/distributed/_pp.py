@@ -15,7 +15,9 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
 )
 from torch.nn.parallel import DistributedDataParallel
 
@@ -47,8 +49,9 @@ def run_one(rank: int, replicas: int, sc: dict[str, Any]) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (replicas, 2), mesh_dim_names=("dp_replicate", "pp"))
     dp, pp = rank // 2, rank % 2
     kind, looped = sc.get("kind", "ddp"), sc.get("schedule")
-    # One stage per rank, or (interleaved, looped) stages pp and pp + 2 of four
-    indices = [pp] if looped is None else [pp, pp + 2]
+    # One stage per rank, or stages pp and pp + 2 of four (interleaved, looped, zero-bubble), or pp and 3 - pp
+    # (zbv: the V schedule's mapping, stages 0 and 3 on pp rank 0)
+    indices = [pp] if looped is None else [pp, 3 - pp] if looped == "zbv" else [pp, pp + 2]
     parts = [build(pp)] if looped is None else [build_looped(i) for i in indices]
     wrapped_parts: list[nn.Module] = []
     for part in parts:
@@ -66,9 +69,10 @@ def run_one(rank: int, replicas: int, sc: dict[str, Any]) -> dict[str, Any]:
         stage = stages[0]
         schedule: Any = (ScheduleGPipe if kind == "ddp" else Schedule1F1B)(stage, MICRO, loss_fn=loss_fn)
     else:
-        schedule = {"interleaved": ScheduleInterleaved1F1B, "looped": ScheduleLoopedBFS}[looped](
+        schedule = {"interleaved": ScheduleInterleaved1F1B, "looped": ScheduleLoopedBFS,
+                    "zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}[looped](
             stages, MICRO, loss_fn=loss_fn)
-    first, last = stages[0].is_first, stages[-1].is_last
+    first, last = any(st.is_first for st in stages), any(st.is_last for st in stages)
     module = parts[0] if looped is None else nn.ModuleList(parts)
     wrapped = wrapped_parts[0] if looped is None else wrapped_parts
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2)

@@ -34,6 +34,13 @@ SCENARIOS = {
                                                         "bit": 12}}},
     "looped_fsdp": {"config": {"replay_every": 2}, "steps": 4, "schedule": "looped", "kind": "fsdp",
                     "faults": {"perturb_output": {"rank": 5, "step": 2, "module": "0.0", "relative": 1e-3}}},
+    # Zero-bubble (split input and weight backward), fully_shard-ed stage modules.
+    "zero_bubble_fsdp": {"config": {"replay_every": 2}, "steps": 4, "schedule": "zero_bubble", "kind": "fsdp",
+                         "faults": {"perturb_output": {"rank": 5, "step": 2, "module": "0.0", "relative": 1e-3}}},
+    "zbv": {"config": {"replay_every": 2}, "steps": 4, "schedule": "zbv", "kind": "fsdp"},
+    "zbv_off": {"monitor": False, "steps": 4, "schedule": "zbv", "kind": "fsdp"},
+    "zbv_compute": {"config": {"replay_every": 2}, "steps": 4, "schedule": "zbv", "kind": "fsdp",
+                    "faults": {"perturb_output": {"rank": 3, "step": 2, "module": "1.0", "relative": 1e-3}}},
 }
 
 
@@ -144,3 +151,25 @@ def test_looped_schedule_with_fsdp_stages_passes_then_names_a_fault(pp: dict[str
     step, check, suspects, _, coordinate, ambiguous, stage = _same(pp["looped_fsdp"])[0]
     assert (step, check, suspects, stage) == (2, "replay", [5], [1, "output"]) and not ambiguous
     assert coordinate is not None and coordinate["pp"] == 1 and coordinate["dp_shard"] == 2
+
+
+def test_zero_bubble_schedules_with_fsdp_stages_pass_and_name_a_fault_at_its_stage(pp: dict[str, Any]) -> None:
+    """The zero-bubble schedules split each backward into an input part and a weight part computed with
+    torch.autograd.grad and assigned to ``.grad``; with fully_shard-ed stage modules the tap still reads each
+    stage's accumulated local gradients at its one reduce-scatter, and the rerun captures them there (no autograd
+    accumulation to hook). ``ScheduleZBVZeroBubble`` (the V mapping: stages 0 and 3 on pp rank 0, 1 and 2 on pp rank
+    1) trains bitwise as unmonitored with every check passing; a fault in stage 2 (pp rank 1's second stage) of
+    replica 1 is named on rank 3 at stage 2; under ``ScheduleInterleavedZeroBubble`` a fault in stage 1 of replica 2
+    is named on rank 5 at stage 1, after a healthy audit passed on every rank."""
+    for rank, (r, off) in enumerate(zip(pp["zbv"], pp["zbv_off"], strict=True)):
+        assert r["incidents"] == [] and r["errors"] == [] and "ScheduleZBVZeroBubble" in r["layout"]
+        assert f"pipeline stages {[0, 3] if rank % 2 == 0 else [1, 2]} of 4" in r["layout"], r["layout"]
+        assert r["counts"]["replay"] == {"pass": 2} and r["counts"]["grad_local"] == {"pass": 4}, r["counts"]
+        assert r["losses"] == off["losses"]
+        assert all(r["weights"][n].equal(w) for n, w in off["weights"].items())
+    assert _same(pp["zbv_compute"]) == [(2, "replay", [3], "persistent", {"pp": 1, "dp_shard": 1}, False,
+                                         [2, "output"])]
+    for r in pp["zero_bubble_fsdp"]:
+        assert r["errors"] == [] and r["counts"]["replay"] == {"pass": 1, "fail": 1}, r["counts"]
+    assert _same(pp["zero_bubble_fsdp"]) == [(2, "replay", [5], "persistent", {"pp": 1, "dp_shard": 2}, False,
+                                              [1, "output"])]

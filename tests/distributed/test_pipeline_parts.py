@@ -102,16 +102,17 @@ def test_stage_coordinates_and_weight_slots(ranks: list[dict[str, Any]]) -> None
 
 def test_uncovered_pipelines_are_refused_by_name(ranks: list[dict[str, Any]]) -> None:
     """A rank's stages out of the schedule's order, stage modules wrapped differently, DDP stages under a looped
-    schedule without find_unused_parameters, zero-bubble schedules, model parts that are not the schedule's, a plain
-    stage module with two replicas, a schedule without loss_fn and a last stage stepped without a target are
-    refused with a message naming the problem."""
+    schedule without find_unused_parameters or under a zero-bubble schedule, model parts that are not the
+    schedule's, one comm hook for several stage modules, a plain stage module with two replicas, a schedule without
+    loss_fn and a last stage stepped without a target are refused with a message naming the problem."""
     for r in ranks:
         f = r["refusals"]
         assert "ascending order" in f["interleaved_reversed"], f["interleaved_reversed"]
         assert "wrapped differently" in f["interleaved_mixed"]
         assert "ScheduleLoopedBFS needs" in f["looped_without_find_unused"]
         assert "find_unused_parameters=True" in f["looped_without_find_unused"]
-        assert "zero-bubble" in f["zero_bubble"] and "ScheduleInterleavedZeroBubble" in f["zero_bubble"]
+        assert "ScheduleInterleavedZeroBubble with DDP-wrapped stage modules" in f["zero_bubble_ddp"]
+        assert "torch.autograd.grad" in f["zero_bubble_ddp"]
         assert "the 2 stage modules this rank runs, in local stage order" in f["parts_reversed"]
         assert "got other modules" in f["parts_reversed"] and "got 1 module(s)" in f["parts_missing"]
         assert "one hook with one state" in f["parts_one_comm_hook"]
