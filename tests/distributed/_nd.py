@@ -116,7 +116,17 @@ def run_one(rank: int, shape: tuple[int, ...], names: tuple[str, ...], sc: dict[
             flip_bit(dict(model.named_parameters())[flip["param"]].to_local(), flip["index"], flip["bit"])
         if sc.get("count_bytes") and k == 1:  # step 0 is an audit step; count the healthy steps after it
             _count_monitor_bytes(tally)
-        if monitor is not None:
+        if monitor is not None and sc.get("micro"):  # gradient accumulation: FSDP syncs on the last micro-batch only
+            with monitor.step() as st:
+                for j in range(sc["micro"]):
+                    mb = (batch[0][j::sc["micro"]], batch[1][j::sc["micro"]])
+                    for m in model.modules():
+                        if hasattr(m, "set_requires_gradient_sync"):
+                            m.set_requires_gradient_sync(j == sc["micro"] - 1, recurse=False)
+                    st.micro_batch(mb)
+                    loss = loss_fn(model, mb)
+                    st.backward(loss, scale=1 / sc["micro"])
+        elif monitor is not None:
             with monitor.step(batch) as st:
                 loss = loss_fn(model, batch)
                 st.backward(loss)
