@@ -37,13 +37,13 @@ What torch 2.13's pipelining does with a step (read from its source, checked by 
   outputs: a rerun needs micro-batches of the same shapes).
 
 Covered: one stage per rank (``ScheduleGPipe``, ``Schedule1F1B``) or several (``ScheduleInterleaved1F1B``,
-``ScheduleLoopedBFS``; with fully_shard-ed stage modules ``ScheduleInterleavedZeroBubble`` and
-``ScheduleZBVZeroBubble``, whose split weight backward assigns ``.grad`` without autograd's accumulation: the rerun
-captures the gradients at FSDP's reduce-scatter, ``fsdp.capture_grads``), stage modules DDP-wrapped (over the dp
-group) or ``fully_shard``-ed on a 1-D dp mesh or a 2-D (replicate, shard) mesh, tensor parallelism inside
-fully_shard-ed stage modules (``parallelize_module`` over the world mesh's ``tp``, ``mesh=`` given: the shard key is
-then (pp, dp_shard, tp) and the replay's rerun runs each stage's tp collectives), or plain modules when there is one
-replica. Refused by name: DualPipe (a forward and a backward overlapped in one action), DDP stage modules under a
+``ScheduleLoopedBFS``; with fully_shard-ed stage modules ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``
+and ``ScheduleDualPipeV`` (a forward and a backward overlapped in one action), whose split weight backward assigns
+``.grad`` without autograd's accumulation: the rerun captures the gradients at FSDP's reduce-scatter,
+``fsdp.capture_grads``), stage modules DDP-wrapped (over the dp group) or ``fully_shard``-ed on a 1-D dp mesh or a
+2-D (replicate, shard) mesh, tensor parallelism inside fully_shard-ed stage modules (``parallelize_module`` over the
+world mesh's ``tp``, ``mesh=`` given: the shard key is then (pp, dp_shard, tp) and the replay's rerun runs each
+stage's tp collectives), or plain modules when there is one replica. Refused by name: DDP stage modules under a
 zero-bubble schedule (DDP's reducer never sees its weight gradients), forward-only schedules and schedules without
 ``loss_fn``, custom or loaded schedules, a rank's stages out of the schedule's order or wrapped differently, stage
 modules sharing parameters, one ``comm_hook`` for several DDP stage modules, a stage module that is neither
@@ -73,13 +73,13 @@ __all__ = ["PipelineStageLayout", "StageCoordinate", "RerunResult", "stages_of",
            "pipeline_step", "rerun", "rng_state", "SUPPORTED_SCHEDULES"]
 
 #: the schedules covered: one stage per rank, or several (interleaved, looped, and with fully_shard-ed stage modules
-#: the zero-bubble schedules that split each backward into input and weight parts)
+#: the zero-bubble schedules, DualPipeV among them, that split each backward into input and weight parts)
 SUPPORTED_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
-                       "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
+                       "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 _SINGLE = ("ScheduleGPipe", "Schedule1F1B")
-_MULTI = ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
 #: split backward: weight gradients by torch.autograd.grad, assigned to .grad (no autograd accumulation, no DDP hook)
-_ZERO_BUBBLE = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
+_ZERO_BUBBLE = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+_MULTI = ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS", *_ZERO_BUBBLE)
 _DP_DIMS = ("dp_replicate", "dp_shard", "dp")
 
 
@@ -92,15 +92,11 @@ def _schedules() -> Any:
 def stages_of(schedule: Any) -> list[Any]:
     """The ``PipelineStage``s a supported schedule runs on this rank, in local stage order (one for ``ScheduleGPipe``
     and ``Schedule1F1B``, several for the interleaved, looped and zero-bubble schedules), or ``LayoutError``
-    naming what is not covered (DualPipe, forward-only, no loss function, a custom schedule)."""
+    naming what is not covered (forward-only, no loss function, a custom or loaded schedule)."""
     s = _schedules()
     name = type(schedule).__name__
     ours = type(schedule).__module__ == s.__name__
     if isinstance(schedule, s.PipelineScheduleMulti):
-        if "DualPipe" in name:
-            raise LayoutError(f"{name} is not supported: DualPipe overlaps one micro-batch's forward with another's "
-                              "backward in one action, which the monitor does not rerun; use one of "
-                              f"{', '.join(SUPPORTED_SCHEDULES)}")
         if name not in _MULTI or not ours:
             raise LayoutError(f"{name} is not supported: the monitor knows the actions of "
                               f"{', '.join(SUPPORTED_SCHEDULES)} only (a custom or loaded schedule may split or "

@@ -13,6 +13,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
@@ -50,8 +51,8 @@ def run_one(rank: int, replicas: int, sc: dict[str, Any]) -> dict[str, Any]:
     dp, pp = rank // 2, rank % 2
     kind, looped = sc.get("kind", "ddp"), sc.get("schedule")
     # One stage per rank, or stages pp and pp + 2 of four (interleaved, looped, zero-bubble), or pp and 3 - pp
-    # (zbv: the V schedule's mapping, stages 0 and 3 on pp rank 0)
-    indices = [pp] if looped is None else [pp, 3 - pp] if looped == "zbv" else [pp, pp + 2]
+    # (zbv, dualpipev: the V schedules' mapping, stages 0 and 3 on pp rank 0)
+    indices = [pp] if looped is None else [pp, 3 - pp] if looped in ("zbv", "dualpipev") else [pp, pp + 2]
     parts = [build(pp)] if looped is None else [build_looped(i) for i in indices]
     wrapped_parts: list[nn.Module] = []
     for part in parts:
@@ -70,7 +71,8 @@ def run_one(rank: int, replicas: int, sc: dict[str, Any]) -> dict[str, Any]:
         schedule: Any = (ScheduleGPipe if kind == "ddp" else Schedule1F1B)(stage, MICRO, loss_fn=loss_fn)
     else:
         schedule = {"interleaved": ScheduleInterleaved1F1B, "looped": ScheduleLoopedBFS,
-                    "zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}[looped](
+                    "zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
+                    "dualpipev": ScheduleDualPipeV}[looped](
             stages, MICRO, loss_fn=loss_fn)
     first, last = any(st.is_first for st in stages), any(st.is_last for st in stages)
     module = parts[0] if looped is None else nn.ModuleList(parts)

@@ -41,6 +41,8 @@ SCENARIOS = {
     "zbv_off": {"monitor": False, "steps": 4, "schedule": "zbv", "kind": "fsdp"},
     "zbv_compute": {"config": {"replay_every": 2}, "steps": 4, "schedule": "zbv", "kind": "fsdp",
                     "faults": {"perturb_output": {"rank": 3, "step": 2, "module": "1.0", "relative": 1e-3}}},
+    "dualpipev_compute": {"config": {"replay_every": 2}, "steps": 4, "schedule": "dualpipev", "kind": "fsdp",
+                          "faults": {"perturb_output": {"rank": 3, "step": 2, "module": "1.0", "relative": 1e-3}}},
 }
 
 
@@ -169,7 +171,15 @@ def test_zero_bubble_schedules_with_fsdp_stages_pass_and_name_a_fault_at_its_sta
         assert all(r["weights"][n].equal(w) for n, w in off["weights"].items())
     assert _same(pp["zbv_compute"]) == [(2, "replay", [3], "persistent", {"pp": 1, "dp_shard": 1}, False,
                                          [2, "output"])]
-    for r in pp["zero_bubble_fsdp"]:
+    for r in pp["zero_bubble_fsdp"] + pp["dualpipev_compute"]:
         assert r["errors"] == [] and r["counts"]["replay"] == {"pass": 1, "fail": 1}, r["counts"]
     assert _same(pp["zero_bubble_fsdp"]) == [(2, "replay", [5], "persistent", {"pp": 1, "dp_shard": 2}, False,
                                               [1, "output"])]
+
+
+def test_dualpipev_with_fsdp_stages_passes_then_names_a_fault_at_its_stage(pp: dict[str, Any]) -> None:
+    """``ScheduleDualPipeV`` (the V mapping, a forward and a backward overlapped in one action, split backward):
+    the step-0 audit passes on every rank, then a fault in stage 2 of replica 1 is named on rank 3, at stage 2."""
+    assert all("ScheduleDualPipeV" in r["layout"] for r in pp["dualpipev_compute"])
+    assert _same(pp["dualpipev_compute"]) == [(2, "replay", [3], "persistent", {"pp": 1, "dp_shard": 1}, False,
+                                               [2, "output"])]
