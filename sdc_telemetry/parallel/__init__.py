@@ -38,7 +38,7 @@ def layout_for(model: Any, *, replica_group: dist.ProcessGroup | None = None,
 
         layout = PipelineStageLayout(pipeline, mesh=mesh, comm_hook=comm_hook, comm_state=comm_state)
         given = list(model) if isinstance(model, torch.nn.ModuleList) else [model]
-        runs = [(part, module) for part, module in zip(layout.parts, layout.stage_modules, strict=True)]
+        runs = list(zip(layout.parts, layout.stage_modules, strict=True))
         if len(given) != len(runs) or any(g is not part and g is not module
                                           for g, (part, module) in zip(given, runs, strict=False)):
             what = (f"the schedule's stage module (the module of its PipelineStage: {type(layout.parts[0]).__name__})"

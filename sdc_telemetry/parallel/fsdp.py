@@ -173,23 +173,36 @@ class GradTap:
     def _measure(pg: Any, inp: torch.Tensor, group: dist.ProcessGroup, index: dict[int, int],
                  store: Callable[[list[int], list[torch.Tensor], list[torch.Tensor] | None], None],
                  detail: bool) -> None:
-        rows = inp.view(group.size(), -1)
-        sizes = [fp.padded_sharded_param_size.numel() for fp in pg.fsdp_params]
-        if sum(sizes) * group.size() != inp.numel():
-            raise RuntimeError("the reduce-scatter input does not hold every parameter of the group (parameters "
-                               "without gradients): not measured")
-        views, fps, idx, off = [], [], [], 0
-        for fp, n in zip(pg.fsdp_params, sizes, strict=True):
-            view = rows[:, off:off + n]  # (shard_size, n): the padded unsharded gradient, no copy
-            off += n
+        views, fps, idx = [], [], []
+        for fp, view in _param_views(pg, inp, group):
             i = index.get(id(fp.sharded_param))
             if i is None:
                 continue
             idx.append(i)
             views.append(view)
             if detail:
-                fps.append(view.reshape(-1)[:fp._orig_size.numel()])
+                fps.append(_unpadded(fp, view))
         store(idx, views, fps if detail else None)
+
+
+def _param_views(pg: Any, inp: torch.Tensor, group: dist.ProcessGroup) -> list[tuple[Any, torch.Tensor]]:
+    """Each FSDP parameter of group ``pg`` with its padded unsharded gradient inside the reduce-scatter input ``inp``:
+    a (shard_size, padded shard numel) view, no copy."""
+    rows = inp.view(group.size(), -1)
+    sizes = [fp.padded_sharded_param_size.numel() for fp in pg.fsdp_params]
+    if sum(sizes) * group.size() != inp.numel():
+        raise RuntimeError("the reduce-scatter input does not hold every parameter of the group (parameters "
+                           "without gradients): not measured")
+    out, off = [], 0
+    for fp, n in zip(pg.fsdp_params, sizes, strict=True):
+        out.append((fp, rows[:, off:off + n]))
+        off += n
+    return out
+
+
+def _unpadded(fp: Any, view: torch.Tensor) -> torch.Tensor:
+    """The parameter's gradient flattened, padding dropped (shard-major rows: the original elements come first)."""
+    return view.reshape(-1)[:fp._orig_size.numel()]
 
 
 def recompute_grads(layout: FSDPLayout, params: Sequence[torch.nn.Parameter], run_backward: Callable[[], None],
@@ -269,14 +282,10 @@ def capture_grads(layout: FSDPLayout, params: Sequence[torch.nn.Parameter], run_
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                      op: Any, async_op: bool = False) -> Any:
-            rows = input_tensor.view(group.size(), -1)
-            off = 0
-            for fp in self.pg.fsdp_params:
-                n = fp.padded_sharded_param_size.numel()
+            for fp, view in _param_views(self.pg, input_tensor, group):
                 i = index.get(id(fp.sharded_param))
-                if i is not None:  # the padded unsharded gradient, shard-major: the original flattened first
-                    take(i, rows[:, off:off + n].reshape(-1)[:fp._orig_size.numel()].clone(), None)
-                off += n
+                if i is not None:
+                    take(i, _unpadded(fp, view).clone(), None)
             return self.inner(output_tensor, input_tensor, group, op, async_op)  # the replicas rerun together
 
     saved = [(module, pg._reduce_scatter_comm) for module, pg in layout.groups]

@@ -258,7 +258,12 @@ class StageCoordinate:
     replicas: int                           # data-parallel size
     dp_group: dist.ProcessGroup | None      # the ranks of this pp rank in every replica (None: dp == 1 or unknown)
     dims: tuple[tuple[str, int], ...] = ()  # the coordinate as named mesh dims, for evidence
-    indices: tuple[int, ...] = ()           # the pipeline stages this rank runs, ascending (empty: just ``stage``)
+    stage_map: tuple[tuple[int, ...], ...] = ()  # every pp rank's pipeline stages, ascending
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        """The pipeline stages this rank runs, ascending."""
+        return self.stage_map[self.stage] if self.stage_map else (self.stage,)
 
     def as_dict(self) -> dict[str, int]:
         """The coordinate for ``evidence["coordinate"]``, e.g. ``{"pp": 1, "dp_replicate": 0}`` (``pp``: the pp
@@ -275,7 +280,7 @@ def coordinate(schedule: Any, *, dp_group: dist.ProcessGroup | None = None, mesh
     stage = stages[0]
     modules, kind = _stage_modules(stages)
     pp_ranks = group_ranks(stage.group)
-    indices = tuple(by_rank[pp_rank])
+    stage_map = tuple(tuple(b) for b in by_rank)
     dims: tuple[tuple[str, int], ...] = ()
     if mesh is not None:
         from sdc_telemetry.parallel.coordinates import canonical
@@ -313,7 +318,7 @@ def coordinate(schedule: Any, *, dp_group: dist.ProcessGroup | None = None, mesh
                               f"group has {dist.get_world_size(dp_group)}")
         if dp_group is None and not lay.hsdp:
             dp_group = lay.shard_group
-        return StageCoordinate(pp_rank, len(pp_ranks), stage.group, dp, replicas, dp_group, dims, indices)
+        return StageCoordinate(pp_rank, len(pp_ranks), stage.group, dp, replicas, dp_group, dims, stage_map)
     if kind == "ddp":
         for st in stages:
             assert isinstance(st.submod, DistributedDataParallel)
@@ -324,7 +329,7 @@ def coordinate(schedule: Any, *, dp_group: dist.ProcessGroup | None = None, mesh
                                   "group")
             dp_group = ddp_group
     if dp_group is None:
-        return StageCoordinate(pp_rank, len(pp_ranks), stage.group, 0, 1, None, (), indices)
+        return StageCoordinate(pp_rank, len(pp_ranks), stage.group, 0, 1, None, (), stage_map)
     dp_ranks = group_ranks(dp_group)
     if set(dp_ranks) & set(pp_ranks) != {dist.get_rank()}:
         raise LayoutError(f"the data-parallel group {dp_ranks} and the pp group {pp_ranks} must meet in this rank "
@@ -332,7 +337,7 @@ def coordinate(schedule: Any, *, dp_group: dist.ProcessGroup | None = None, mesh
     dp = dist.get_rank(dp_group)
     if mesh is None:
         dims = (("dp_replicate", dp),)
-    return StageCoordinate(pp_rank, len(pp_ranks), stage.group, dp, len(dp_ranks), dp_group, dims, indices)
+    return StageCoordinate(pp_rank, len(pp_ranks), stage.group, dp, len(dp_ranks), dp_group, dims, stage_map)
 
 
 def _fsdp_layout(modules: Sequence[torch.nn.Module], mesh: Any = None) -> Any:
@@ -646,13 +651,13 @@ class PipelineStageLayout(Layout):
         if self.kind == "ddp":
             from sdc_telemetry.parallel.ddp import DDP
 
+            name = type(schedule).__name__
+            if name in _ZERO_BUBBLE:
+                raise LayoutError(f"{name} with DDP-wrapped stage modules is not supported: its weight backward "
+                                  "computes gradients with torch.autograd.grad, which DDP's reducer (and the "
+                                  "monitor's comm hook in it) never sees; fully_shard the stage modules")
             for submod in self.parts:
                 assert isinstance(submod, DistributedDataParallel)
-                name = type(schedule).__name__
-                if name in _ZERO_BUBBLE:
-                    raise LayoutError(f"{name} with DDP-wrapped stage modules is not supported: its weight backward "
-                                      "computes gradients with torch.autograd.grad, which DDP's reducer (and the "
-                                      "monitor's comm hook in it) never sees; fully_shard the stage modules")
                 if name != "Schedule1F1B" and not submod.find_unused_parameters:
                     raise LayoutError(f"a DDP-wrapped stage module under {name} needs "
                                       "DistributedDataParallel(..., find_unused_parameters=True): without it torch "
@@ -679,8 +684,7 @@ class PipelineStageLayout(Layout):
                               f"{c.stages} x {c.replicas} x {tp} grid over the {len(rows)} ranks, each with "
                               f"{len(modules)} stage(s)")
         # every position's pipeline stages (the same schedule maps the same stages to a pp rank in every replica)
-        by_rank, _ = _local_stages(schedule, self.stages)
-        self.stages_of_position = [by_rank[r[0]] for r in rows]
+        self.stages_of_position = [list(c.stage_map[r[0]]) for r in rows]
         self.dp_of_position = [r[1] for r in rows]
         # The mesh coordinates of every position (evidence, and the replay's pairing of replicas stage by stage).
         sizes = {"pp": c.stages}
