@@ -89,6 +89,12 @@ class SDCTrainer(Trainer):
         module: Any = self.model_parts[0] if len(self.model_parts) == 1 else torch.nn.ModuleList(self.model_parts)
         self.counter = CheckCounter()
         kwargs: dict[str, Any] = {"config": sdc_config, "observer": self.counter}
+        if self.parallel_dims.cp > 1 and (s.mesh == "dense" or self.parallel_dims.pp_enabled):
+            # torchtitan's dense mesh folds cp into its fsdp dim: read as data-parallel replicas, the cp ranks would
+            # be paired for reruns that do not line up. The monitor needs a mesh that names cp.
+            raise ValueError("SDCTrainer: context parallelism with a pipeline (or mesh='dense') is not integrated: "
+                             "torchtitan's dense mesh folds cp into fsdp; pass SDCMonitor a world mesh with a 'cp' "
+                             "dim (docs/checks.md, context parallelism inside stages)")
         if s.mesh == "dense" or self.parallel_dims.pp_enabled:  # a pipeline's stages take the world mesh
             kwargs["mesh"] = self.parallel_dims._global_meshes["dense"]
         if self.parallel_dims.pp_enabled:

@@ -66,7 +66,7 @@ from torch.nn.parallel import DistributedDataParallel
 from sdc_telemetry.core.collective import gather_rows, group_ranks
 from sdc_telemetry.core.fingerprint import digest, fingerprint
 from sdc_telemetry.parallel.base import GradSink, Layout, LayoutError, world_ranks
-from sdc_telemetry.parallel.coordinates import Coordinates
+from sdc_telemetry.parallel.coordinates import Coordinates, canonical
 from sdc_telemetry.parallel.fsdp import local_shard
 
 __all__ = ["PipelineStageLayout", "StageCoordinate", "RerunResult", "stages_of", "stage_module", "coordinate",
@@ -81,6 +81,7 @@ _SINGLE = ("ScheduleGPipe", "Schedule1F1B")
 _ZERO_BUBBLE = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 _MULTI = ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS", *_ZERO_BUBBLE)
 _DP_DIMS = ("dp_replicate", "dp_shard", "dp")
+_INNER = ("cp", "tp")  # dims inside a stage (a replica's slots), with fully_shard-ed stage modules
 
 
 def _schedules() -> Any:
@@ -130,11 +131,6 @@ def stage_module(submod: torch.nn.Module) -> tuple[torch.nn.Module, str]:
 
         meshes = {_mesh_key(p.device_mesh): p.device_mesh for p in submod.parameters() if isinstance(p, DTensor)}
         roots = {_mesh_key(m._get_root_mesh()) for m in meshes.values()}  # (dp_shard) and (dp_shard, tp) slices
-        names = set().union(*(m.mesh_dim_names or () for m in meshes.values()))
-        if "cp" in names:
-            raise LayoutError("context parallelism inside a pipeline stage is not covered: the pipeline adapter "
-                              "handles stage modules fully_shard-ed over their data-parallel dims, with tensor "
-                              "parallelism (a 'tp' dim) or without")
         if len(roots) > 1:
             raise LayoutError("a stage module's parameters live on several device meshes: build its tensor and "
                               "data parallelism on slices of one world mesh (init_device_mesh, then mesh['tp'], "
@@ -283,17 +279,16 @@ def coordinate(schedule: Any, *, dp_group: dist.ProcessGroup | None = None, mesh
     stage_map = tuple(tuple(b) for b in by_rank)
     dims: tuple[tuple[str, int], ...] = ()
     if mesh is not None:
-        from sdc_telemetry.parallel.coordinates import canonical
-
         raw = tuple(mesh.mesh_dim_names or ())
         names = canonical(raw)  # torchtitan's dense mesh calls dp_shard 'fsdp'
         size = {n: mesh.size(i) for i, n in enumerate(names)}
-        other = [n for n in names if n not in ("pp", "tp") and n not in _DP_DIMS]
+        other = [n for n in names if n not in ("pp", *_INNER) and n not in _DP_DIMS]
         dp_names = [n for n in names if n in _DP_DIMS and size[n] > 1]
-        if "pp" not in names or other or (kind != "fsdp" and (size.get("tp", 1) > 1 or len(dp_names) > 1)):
+        inner = [n for n in _INNER if size.get(n, 1) > 1]
+        if "pp" not in names or other or (kind != "fsdp" and (inner or len(dp_names) > 1)):
             raise LayoutError(f"mesh dims {raw}: a pipeline stage's mesh here is 'pp' with data-parallel dims "
-                              f"({', '.join(_DP_DIMS)}; several, and 'tp', with fully_shard-ed stage modules); "
-                              f"other dims ({other or 'none'}) are not covered by the pipeline adapter")
+                              f"({', '.join(_DP_DIMS)}; several, and 'cp' and 'tp', with fully_shard-ed stage "
+                              f"modules); other dims ({other or 'none'}) are not covered by the pipeline adapter")
         if group_ranks(mesh.get_group("pp")) != pp_ranks:
             raise LayoutError(f"the mesh's pp group {group_ranks(mesh.get_group('pp'))} is not the stage's group "
                               f"{pp_ranks}")
@@ -303,21 +298,29 @@ def coordinate(schedule: Any, *, dp_group: dist.ProcessGroup | None = None, mesh
             dims = (("dp_replicate" if dp_names[0] == "dp" else dp_names[0], dist.get_rank(dp_group)),)
     if kind == "fsdp":
         lay = _fsdp_layout(modules, mesh)
-        replicas = lay.shard_size * lay.replicas
+        # Context parallelism: fully_shard over the flattened dp_shard x cp ranks, whose cp ranks compute one
+        # micro-batch together (a replica's slots), not data-parallel replicas: those come from the mesh's dp_shard.
+        cp = size.get("cp", 1) if mesh is not None else 1
+        folded = cp > 1 and lay.shard_size == size.get("dp_shard", 1) * cp
+        shards = lay.shard_size // cp if folded else lay.shard_size
+        shard_index = (mesh.get_local_rank(raw[names.index("dp_shard")]) if "dp_shard" in names else 0) \
+            if folded else lay.shard_index
+        replicas = shards * lay.replicas
         if mesh is not None and (held := math.prod(size[n] for n in names if n in _DP_DIMS)) != replicas:
-            raise LayoutError(f"the stage modules are fully_shard-ed over {replicas} ranks but the mesh's "
-                              f"data-parallel dims hold {held}")
+            raise LayoutError(f"the stage modules are fully_shard-ed over {replicas} data-parallel ranks but the "
+                              f"mesh's data-parallel dims hold {held}")
         rep = dist.get_rank(lay.replicate_group) if lay.replicate_group is not None else 0
-        dp = rep * lay.shard_size + lay.shard_index
-        dims = ((("dp_replicate", rep),) if lay.hsdp else ()) + (("dp_shard", lay.shard_index),)
-        if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) and mesh.size(
-                list(mesh.mesh_dim_names).index("tp")) > 1:
-            dims += (("tp", mesh.get_local_rank("tp")),)
+        dp = rep * shards + shard_index
+        dims = ((("dp_replicate", rep),) if lay.hsdp else ()) + (("dp_shard", shard_index),)
+        for n in _INNER:  # the replica's slots inside a stage: cp, then tp (torchtitan's order)
+            if mesh is not None and size.get(n, 1) > 1:
+                dims += ((n, mesh.get_local_rank(raw[names.index(n)])),)
         if dp_group is not None and dist.get_world_size(dp_group) != replicas:
-            raise LayoutError(f"the stage module is fully_shard-ed over {replicas} ranks but the data-parallel "
-                              f"group has {dist.get_world_size(dp_group)}")
+            raise LayoutError(f"the stage module is fully_shard-ed over {replicas} data-parallel ranks but the "
+                              f"data-parallel group has {dist.get_world_size(dp_group)}")
         if dp_group is None and not lay.hsdp:
-            dp_group = lay.shard_group
+            dp_group = lay.shard_group if not folded else \
+                mesh.get_group(raw[names.index("dp_shard")]) if shards > 1 else None
         return StageCoordinate(pp_rank, len(pp_ranks), stage.group, dp, replicas, dp_group, dims, stage_map)
     if kind == "ddp":
         for st in stages:
@@ -349,10 +352,11 @@ def _fsdp_layout(modules: Sequence[torch.nn.Module], mesh: Any = None) -> Any:
 
     from sdc_telemetry.parallel import fsdp
 
-    if any("tp" in (p.device_mesh.mesh_dim_names or ()) for m in modules for p in m.parameters()
-           if hasattr(p, "device_mesh")):
+    cp = mesh is not None and "cp" in (names := canonical(mesh.mesh_dim_names or ())) and \
+        mesh.size(names.index("cp")) > 1
+    if cp or any("tp" in (p.device_mesh.mesh_dim_names or ()) for m in modules for p in m.parameters()
+                 if hasattr(p, "device_mesh")):
         from sdc_telemetry.parallel import mesh as nd
-        from sdc_telemetry.parallel.coordinates import canonical
 
         if mesh is None:
             raise LayoutError("tensor parallelism inside pipeline stages needs the world mesh: "
@@ -674,14 +678,17 @@ class PipelineStageLayout(Layout):
         self.stage_modules = modules
         device = next(module.parameters()).device
         dims = dict(c.dims)
-        tp = mesh.size(list(mesh.mesh_dim_names).index("tp")) if "tp" in dims else 1  # dims: tp when > 1
-        rows = gather_rows(torch.tensor([c.stage, c.dp, dims.get("tp", 0), c.stages, c.replicas, len(modules), tp],
+        # the dims inside a stage (in c.dims when > 1): a replica's cp x tp slots
+        inner = {n: mesh.size(list(canonical(mesh.mesh_dim_names)).index(n)) if n in dims else 1 for n in _INNER}
+        cp, tp = inner["cp"], inner["tp"]
+        shape = [c.stages, c.replicas, len(modules), cp, tp]
+        rows = gather_rows(torch.tensor([c.stage, c.dp, dims.get("cp", 0), dims.get("tp", 0), *shape],
                                         dtype=torch.int64), None, device)
-        seen = {(r[0], r[1], r[2]) for r in rows}
-        if len(seen) != len(rows) or any(r[3:] != [c.stages, c.replicas, len(modules), tp] for r in rows) \
-                or len(rows) != c.stages * c.replicas * tp:
-            raise LayoutError(f"the ranks' (pp rank, data-parallel index, tp rank) {sorted(seen)} are not a "
-                              f"{c.stages} x {c.replicas} x {tp} grid over the {len(rows)} ranks, each with "
+        seen = {tuple(r[:4]) for r in rows}
+        if len(seen) != len(rows) or any(r[4:] != shape for r in rows) or len(rows) != math.prod(shape) // len(
+                modules):
+            raise LayoutError(f"the ranks' (pp rank, data-parallel index, cp rank, tp rank) {sorted(seen)} are not a "
+                              f"{c.stages} x {c.replicas} x {cp} x {tp} grid over the {len(rows)} ranks, each with "
                               f"{len(modules)} stage(s)")
         # every position's pipeline stages (the same schedule maps the same stages to a pp rank in every replica)
         self.stages_of_position = [list(c.stage_map[r[0]]) for r in rows]
@@ -689,13 +696,12 @@ class PipelineStageLayout(Layout):
         # The mesh coordinates of every position (evidence, and the replay's pairing of replicas stage by stage).
         sizes = {"pp": c.stages}
         if self.kind == "fsdp":
-            sizes["dp_shard"] = self._fsdp.shard_size
+            sizes["dp_shard"] = c.replicas // self._fsdp.replicas  # fully_shard's ranks over cp: not replicas
             if self._fsdp.replicas > 1:
                 sizes["dp_replicate"] = self._fsdp.replicas
         elif c.replicas > 1:
             sizes["dp_replicate"] = c.replicas
-        if tp > 1:
-            sizes["tp"] = tp
+        sizes.update({n: v for n, v in inner.items() if v > 1})
         mine = {d: v for d, v in c.as_dict().items() if d in sizes}
         self.coordinates = Coordinates.gather(sizes, mine, device)
         # the shard key (pp, dp_shard, tp): the ranks that hold the same tensors, whose weights are compared

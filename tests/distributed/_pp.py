@@ -102,15 +102,20 @@ def run_one(rank: int, replicas: int, sc: dict[str, Any]) -> dict[str, Any]:
             "bytes": {k: v // max(steps - 1, 1) for k, v in tally.items()}}
 
 
+def _batch(dp: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replica ``dp``'s batch of step ``k``: 8 samples of 8 features, 4 classes."""
+    gen = torch.Generator().manual_seed(1000 * dp + k)
+    return torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+
+
 def _train(monitor: Any, schedule: Any, opt: torch.optim.Optimizer, dp: int, steps: int, first: bool, last: bool,
-           before: Any = None) -> list[list[float] | None]:
-    """The training loop of every pipeline scenario: the replica's batch of each step (the same on every rank of a
-    replica), one schedule step (through the monitor when there is one), the update. Returns the last stage's
-    per-micro-batch losses of each step (None elsewhere)."""
+           before: Any = None, batch: Any = _batch) -> list[list[float] | None]:
+    """The training loop of every pipeline scenario: the replica's batch of each step (``batch(dp, k)``: the same on
+    every rank of a replica, or each cp rank's chunk of it), one schedule step (through the monitor when there is
+    one), the update. Returns the last stage's per-micro-batch losses of each step (None elsewhere)."""
     losses: list[list[float] | None] = []
     for k in range(steps):
-        gen = torch.Generator().manual_seed(1000 * dp + k)
-        x, y = torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+        x, y = batch(dp, k)
         if before is not None:
             before(k)
         if monitor is not None:
@@ -147,10 +152,12 @@ def stage_hosts(rank: int) -> dict[str, str]:
 
 
 def run_pp(rank: int, world: int, scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every scenario in turn: pp 2 x dp_replicate (world / 2), or with ``"tp": True`` pp 2 x dp_shard 2 x tp 2."""
+    """Every scenario in turn: pp 2 x dp_replicate (world / 2), or with ``"tp": True`` pp 2 x dp_shard 2 x tp 2, or
+    with ``"cp": True`` pp 2 x dp_shard 2 x cp 2."""
     out = []
     for sc in scenarios:
-        out.append(run_tp_one(rank, sc) if sc.get("tp") else run_one(rank, world // 2, sc))
+        out.append(run_tp_one(rank, sc) if sc.get("tp") else run_cp_one(rank, sc) if sc.get("cp")
+                   else run_one(rank, world // 2, sc))
         dist.barrier()
     return out
 
@@ -202,3 +209,78 @@ def run_tp_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
 def pp_hosts(rank: int) -> dict[str, str]:
     """Each pipeline stage of the pp x dp_shard x tp mesh on a host of its own (ranks 0-3 stage 0, 4-7 stage 1)."""
     return {"SDC_HOST_NAME": f"node{rank // 4}"}
+
+
+class CPStage(nn.Module):
+    """A stage of a causal LM with context parallelism inside it (``_cp``'s attention block): stage 0 embeds the
+    tokens, the last stage ends in the LM head. Each cp rank holds a contiguous chunk of the sequence; its positions
+    (and so its rows of the causal mask) are a buffer, so that the schedule splits only the batch dim."""
+
+    def __init__(self, stage: int, stages: int, cp_rank: int, cp_size: int) -> None:
+        from ._cp import DIM, SEQ, VOCAB, Block
+
+        super().__init__()
+        torch.manual_seed(stage)
+        chunk = SEQ // cp_size
+        self.register_buffer("positions", torch.arange(chunk) + cp_rank * chunk, persistent=False)
+        self.register_buffer("keys", torch.arange(SEQ), persistent=False)
+        self.first, self.last = stage == 0, stage == stages - 1
+        if self.first:
+            self.tok, self.pos = nn.Embedding(VOCAB, DIM), nn.Embedding(SEQ, DIM)
+        self.block = Block()
+        if self.last:
+            self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = (self.positions[:, None] >= self.keys[None, :])[None, None]
+        if self.first:
+            x = self.tok(x) + self.pos(self.positions)
+        x = self.block(x, mask)
+        return self.head(self.norm(x)) if self.last else x  # type: ignore[no-any-return]
+
+
+def cp_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def run_cp_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
+    """pp 2 x dp_shard 2 x cp 2 (torchtitan's dim order): each stage module's attention context-parallel over
+    ``cp`` (torch's ``_ContextParallel`` SDPA style, as ``_cp`` lays it out) and the stage module fully_shard-ed over
+    the flattened ``dp_shard_cp``, a Schedule1F1B; the monitor takes the stage module and the world mesh. Each cp
+    rank trains on its chunk of its replica's sequences."""
+    from torch.distributed.tensor.experimental._attention import (
+        _ContextParallel,
+        _enable_context_parallel_dispatcher,
+    )
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from ._cp import SEQ, VOCAB
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp_shard", "cp"))
+    pp, dp, cp = (mesh.get_local_rank(n) for n in ("pp", "dp_shard", "cp"))
+    _enable_context_parallel_dispatcher()
+    part = CPStage(pp, 2, cp, 2)
+    parallelize_module(part.block.attn, mesh["cp"],
+                       _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.SDPA))
+    fully_shard(part, mesh=mesh["dp_shard", "cp"]._flatten("dp_shard_cp"))
+    stage = PipelineStage(part, pp, 2, CPU, group=mesh.get_group("pp"))
+    schedule = Schedule1F1B(stage, MICRO, loss_fn=cp_loss)
+    opt = torch.optim.AdamW(part.parameters(), lr=1e-2)
+    faults = FaultInjector(part, opt)
+    for kind, args in sc.get("faults", {}).items():
+        if args["rank"] == rank:
+            getattr(faults, kind)(**args)
+    recorder = Recorder()
+    monitor = None
+    if sc.get("monitor", True):
+        monitor = sdc.SDCMonitor(part, opt, pipeline=schedule, mesh=mesh, observer=recorder,
+                                 config=sdc.SDCConfig(metrics_port=None, nvml=False, **sc.get("config", {})))
+    chunk = SEQ // 2
+
+    def batch(d: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        seq = torch.randint(0, VOCAB, (8, SEQ + 1), generator=torch.Generator().manual_seed(1000 * d + k))
+        own = slice(cp * chunk, (cp + 1) * chunk)
+        return seq[:, :-1][:, own].contiguous(), seq[:, 1:][:, own].contiguous()
+
+    losses = _train(monitor, schedule, opt, dp, sc.get("steps", 4), stage.is_first, stage.is_last, batch=batch)
+    return {**_result(monitor, faults, recorder, part), "losses": losses}
