@@ -25,8 +25,9 @@ Parts of FSDP2 read here that are not public API (torch 2.13): ``FSDPModule._get
 ``FSDPParamGroup.fsdp_params / _reduce_scatter_comm / _reduce_dtype / reduce_grads / all_reduce_grads /
 mesh_info / gradient_divide_factor / force_sum_reduction_for_comms``, ``_get_gradient_divide_factors``,
 ``FSDPParam.sharded_param / unsharded_param / padded_sharded_param_size / _orig_size / is_dtensor /
-_get_grad_inner_tensor`` and the ``ReduceScatter``
-protocol in ``torch.distributed.fsdp._fully_shard._fsdp_api``.
+_get_grad_inner_tensor``, the ``ReduceScatter``
+protocol in ``torch.distributed.fsdp._fully_shard._fsdp_api``, and, for a shard group of one rank, the order in which
+``foreach_reduce`` allocates through it (the input, filled by the copy-in, then the output).
 """
 
 from __future__ import annotations
@@ -105,9 +106,9 @@ def layout_of(model: torch.nn.Module) -> FSDPLayout:
                           "dimensions are not")
     assert isinstance(placements[shard_dim], Shard) and (rep_dim is None or isinstance(placements[rep_dim], Replicate))
     shard_size = mesh.size(shard_dim)
-    if shard_size < 2:
-        raise LayoutError("a shard dimension of size 1 does not reduce-scatter (FSDP copies the gradients), so local "
-                          "gradients cannot be observed: use DistributedDataParallel for pure replication")
+    if shard_size < 2 and rep_dim is None:
+        raise LayoutError("fully_shard on a mesh of one rank reduces nothing: there are no gradients of other ranks "
+                          "to check")
     groups = fsdp_groups(model)
     coordinate = mesh.get_coordinate()
     assert coordinate is not None
@@ -148,33 +149,28 @@ class GradTap:
         tap = self
         self.enabled = True
 
-        class _Tapped(ReduceScatter):  # type: ignore[misc,valid-type]
+        class _Tapped(_OneRankShards, ReduceScatter):  # type: ignore[misc,valid-type]
             def __init__(self, inner: Any, gid: int, pg: Any) -> None:
-                self.inner, self.gid, self.pg = inner, gid, pg
+                super().__init__(inner, pg)
+                self.gid = gid
 
-            def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-                out: torch.Tensor = self.inner.allocate(size, dtype=dtype, device=device)
-                return out
-
-            def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                         op: Any, async_op: bool = False) -> Any:
+            def _input(self, input_tensor: torch.Tensor, shards: int) -> None:
                 if tap.enabled:
                     try:
                         on_call(self.gid)
-                        tap._measure(self.pg, input_tensor, group, index, store, detail())
+                        tap._measure(self.pg, input_tensor, shards, index, store, detail())
                     except Exception:  # noqa: BLE001 - reported through the status vector; the collective must run
                         on_error()
-                return self.inner(output_tensor, input_tensor, group, op, async_op)
 
         for gid, (module, pg) in enumerate(layout.groups):
             module.set_custom_reduce_scatter(_Tapped(pg._reduce_scatter_comm, gid, pg))
 
     @staticmethod
-    def _measure(pg: Any, inp: torch.Tensor, group: dist.ProcessGroup, index: dict[int, int],
+    def _measure(pg: Any, inp: torch.Tensor, shards: int, index: dict[int, int],
                  store: Callable[[list[int], list[torch.Tensor], list[torch.Tensor] | None], None],
                  detail: bool) -> None:
         views, fps, idx = [], [], []
-        for fp, view in _param_views(pg, inp, group):
+        for fp, view in _param_views(pg, inp, shards):
             i = index.get(id(fp.sharded_param))
             if i is None:
                 continue
@@ -185,12 +181,45 @@ class GradTap:
         store(idx, views, fps if detail else None)
 
 
-def _param_views(pg: Any, inp: torch.Tensor, group: dist.ProcessGroup) -> list[tuple[Any, torch.Tensor]]:
-    """Each FSDP parameter of group ``pg`` with its padded unsharded gradient inside the reduce-scatter input ``inp``:
-    a (shard_size, padded shard numel) view, no copy."""
-    rows = inp.view(group.size(), -1)
+class _OneRankShards:
+    """A reduce-scatter wrapper (``ReduceScatter``) that hands its input, the group's unsharded local gradients, to
+    ``_input(input, shards)`` before the collective runs. Where the shard group is one rank (HSDP with a dp_shard of
+    1: replicas that shard nothing), FSDP never calls the reduce-scatter: it allocates the input, copies the local
+    gradients into it, allocates the output, divides the input where the reduce dtype risks overflow (fp16) and
+    copies it over (then all-reduces across the replicas). The input is then handed over at the second allocation,
+    when the copy-in is complete, divided here as FSDP is about to divide it (out of place: the same bits)."""
+
+    def __init__(self, inner: Any, pg: Any) -> None:
+        self.inner, self.pg = inner, pg
+        self.one_rank = pg.mesh_info.shard_mesh_size == 1
+        self._pending: torch.Tensor | None = None
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        out: torch.Tensor = self.inner.allocate(size, dtype=dtype, device=device)
+        if self.one_rank:
+            if self._pending is None:
+                self._pending = out  # the input: FSDP copies the local gradients into it next
+            else:
+                filled, self._pending = self._pending, None
+                factor = _predivide_factor(self.pg)  # the reduce dtype is known once FSDP initialised lazily
+                self._input(filled.div(factor) if factor not in (None, 1) else filled, 1)
+        return out
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> Any:
+        self._input(input_tensor, group.size())
+        return self.inner(output_tensor, input_tensor, group, op, async_op)
+
+    def _input(self, input_tensor: torch.Tensor, shards: int) -> None:
+        raise NotImplementedError
+
+
+def _param_views(pg: Any, inp: torch.Tensor, shards: int) -> list[tuple[Any, torch.Tensor]]:
+    """Each FSDP parameter of group ``pg`` with its padded unsharded gradient inside the reduce-scatter input ``inp``
+    (over ``shards`` ranks): a (shards, padded shard numel) view, no copy."""
+    rows = inp.view(shards, -1)
     sizes = [fp.padded_sharded_param_size.numel() for fp in pg.fsdp_params]
-    if sum(sizes) * group.size() != inp.numel():
+    if sum(sizes) * shards != inp.numel():
         raise RuntimeError("the reduce-scatter input does not hold every parameter of the group (parameters "
                            "without gradients): not measured")
     out, off = [], 0
@@ -272,21 +301,12 @@ def capture_grads(layout: FSDPLayout, params: Sequence[torch.nn.Parameter], run_
 
     index = {id(p): i for i, p in enumerate(params)}
 
-    class _Capture(ReduceScatter):  # type: ignore[misc,valid-type]
-        def __init__(self, inner: Any, pg: Any) -> None:
-            self.inner, self.pg = inner, pg
-
-        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            out: torch.Tensor = self.inner.allocate(size, dtype=dtype, device=device)
-            return out
-
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                     op: Any, async_op: bool = False) -> Any:
-            for fp, view in _param_views(self.pg, input_tensor, group):
+    class _Capture(_OneRankShards, ReduceScatter):  # type: ignore[misc,valid-type]
+        def _input(self, input_tensor: torch.Tensor, shards: int) -> None:
+            for fp, view in _param_views(self.pg, input_tensor, shards):
                 i = index.get(id(fp.sharded_param))
                 if i is not None:
-                    take(i, _unpadded(fp, view).clone(), None)
-            return self.inner(output_tensor, input_tensor, group, op, async_op)  # the replicas rerun together
+                    take(i, _unpadded(fp, view).clone(), None)  # then the collective: the replicas rerun together
 
     saved = [(module, pg._reduce_scatter_comm) for module, pg in layout.groups]
     try:

@@ -21,9 +21,10 @@ What each check compares (``parallel.coordinates``):
   refused, ``check_torch``).
 
 Refused by name: pipeline dims without ``pipeline=`` (``parallel.pipeline``), expert parallelism, tensor
-parallelism without ``fully_shard`` (DDP over DTensor parameters), a data-parallel shard dimension of size 1
-(``replicate()``-style pure replication of a tensor-parallel model: FSDP then copies gradients instead of
-reduce-scattering them, so local gradients cannot be observed), several FSDP parameter groups per module.
+parallelism without ``fully_shard`` (DDP over DTensor parameters), ``fully_shard`` over one data-parallel rank (no
+dp_shard nor dp_replicate dimension of 2 or more: nothing is reduced), several FSDP parameter groups per module. A
+dp_shard of 1 with dp_replicate replicas is covered: FSDP copies the gradients instead of reduce-scattering them,
+and the tap reads them at that copy (``fsdp._OneRankShards``).
 """
 
 from __future__ import annotations
@@ -183,10 +184,9 @@ def fsdp_layout(groups: list[tuple[Any, Any]], sizes: dict[str, int]) -> FSDPLay
     info = groups[0][1].mesh_info
     if any(pg.mesh_info.shard_mesh_size != info.shard_mesh_size for _, pg in groups):
         raise LayoutError("FSDP parameter groups shard over different mesh dimensions: not supported")
-    if info.shard_mesh_size < 2:
-        raise LayoutError("a data-parallel shard dimension of size 1 does not reduce-scatter (FSDP copies the "
-                          "gradients), so local gradients cannot be observed: tensor parallelism needs "
-                          "fully_shard over a dp_shard dimension of 2 or more")
+    if info.shard_mesh_size < 2 and getattr(info, "replicate_mesh_size", 1) < 2:
+        raise LayoutError("fully_shard over one data-parallel rank reduces nothing (no dp_shard nor dp_replicate "
+                          "dimension of 2 or more): there are no gradients of other ranks to check")
     allowed = {sizes.get("dp_shard", 1), sizes.get("dp_shard", 1) * sizes.get("cp", 1)}
     if info.shard_mesh_size not in allowed:
         held = " or ".join(str(n) for n in sorted(allowed))

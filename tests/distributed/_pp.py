@@ -175,16 +175,22 @@ def build_tp(stage: int, stages: int, tp_mesh: Any) -> nn.Module:
 
 
 def run_tp_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
-    """pp 2 x dp_shard 2 x tp 2 (torchtitan's dim order): each stage module tensor-parallel over ``tp`` and
-    fully_shard-ed over ``dp_shard``, a Schedule1F1B (or two stages a rank under ScheduleInterleaved1F1B); the
+    """pp 2 x dp_shard 2 x tp 2 (torchtitan's dim order), or with ``"replicate"`` pp 2 x dp_replicate 2 x tp 2
+    (dp_shard 1): each stage module tensor-parallel over ``tp`` and fully_shard-ed over ``dp_shard`` (HSDP over
+    ``dp_replicate`` x ``dp_shard``), a Schedule1F1B (or two stages a rank under ScheduleInterleaved1F1B); the
     monitor takes the stage module (or the rank's stage modules) and the world mesh."""
-    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp_shard", "tp"))
-    pp, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp_shard")
+    if sc.get("replicate"):  # pp 2 x dp_replicate 2 x tp 2, no dp_shard: HSDP whose shard groups are one rank
+        mesh = init_device_mesh("cpu", (2, 2, 1, 2), mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+        dp_dim, dp_mesh = "dp_replicate", mesh["dp_replicate", "dp_shard"]
+    else:
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp_shard", "tp"))
+        dp_dim, dp_mesh = "dp_shard", mesh["dp_shard"]
+    pp, dp = mesh.get_local_rank("pp"), mesh.get_local_rank(dp_dim)
     interleaved = sc.get("schedule") == "interleaved"
     indices = [pp, pp + 2] if interleaved else [pp]
     parts = [build_tp(i, 2 * len(indices), mesh["tp"]) for i in indices]
     for part in parts:
-        fully_shard(part, mesh=mesh["dp_shard"])
+        fully_shard(part, mesh=dp_mesh)
     stages = [PipelineStage(part, i, 2 * len(indices), CPU, group=mesh.get_group("pp"))
               for part, i in zip(parts, indices, strict=True)]
     schedule: Any = (ScheduleInterleaved1F1B(stages, MICRO, loss_fn=loss_fn) if interleaved

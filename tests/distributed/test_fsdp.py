@@ -126,3 +126,23 @@ def test_fsdp_1d_faults_found_by_replay_and_at_rest() -> None:
     # fp16 reduction: FSDP divides the gradients before the reduce-scatter; the replay divides the same way.
     for r in fp16:
         assert not r["incidents"] and r["counts"]["replay"] == {"pass": 3} and not r["errors"], r["counts"]
+
+
+def test_hsdp_with_one_rank_shard_groups() -> None:
+    """HSDP on a (3 replicas, 1 shard) mesh: FSDP never calls its reduce-scatter for a shard group of one rank (it
+    copies the gradients, then all-reduces them across the replicas), and the monitor reads the local gradients at
+    that copy. Healthy, in fp32 and with fp16 reduction (FSDP divides the copy before the all-reduce): every check
+    passes and the replay reproduces them; a compute fault is named by the replay; training is bitwise unchanged."""
+    scenarios = [{"config": {"replay_every": 2}, "steps": 6}, {"monitor": False, "steps": 6},
+                 {"config": {"replay_every": 2}, "steps": 6, "mixed": "fp16"},
+                 {"config": {"replay_every": 3}, "steps": 5,
+                  "perturb": {"rank": 1, "step": 1, "module": "l2", "relative": 1e-3}}]
+    results = spawn_ranks(run_fsdp, 3, ((3, 1), scenarios), timeout=600)
+    for r in results:
+        healthy, off, fp16, compute = r
+        for run in (healthy, fp16):
+            assert run["incidents"] == [] and run["errors"] == [], run
+            assert run["counts"] == {"grad_local": {"pass": 6}, "grad_reduced": {"pass": 6},
+                                     "weights": {"pass": 6}, "replay": {"pass": 3}}, run["counts"]
+        assert all(healthy["weights"][n].equal(w) for n, w in off["weights"].items())
+        assert compute["incidents"] == [(3, "replay", [1], "persistent")] and compute["errors"] == []

@@ -26,14 +26,17 @@ SCENARIOS = {
                                                           "transient": True}}},
 }
 DEFERRED = ("compute", "interleaved_compute")  # the replay's findings on the other verdict path too
+# pp 2 x dp_replicate 2 x tp 2 (dp_shard 1): HSDP stage modules whose shard groups are one rank
+REPLICATED = {f"replicated_{k}": {**SCENARIOS[k], "replicate": True} for k in ("healthy", "off", "compute", "flip")}
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, Any]:
-    """One spawn of 8 ranks: every scenario on the immediate verdict path, the replay's on the deferred one."""
+    """One spawn of 8 ranks: every scenario on the immediate verdict path, the replay's on the deferred one, and the
+    replicated layout's."""
     scenarios = on_path(list(SCENARIOS.values()), "immediate") + on_path([SCENARIOS[k] for k in DEFERRED],
-                                                                         "deferred")
-    names = list(SCENARIOS) + [f"{k}_deferred" for k in DEFERRED]
+                                                                         "deferred") + list(REPLICATED.values())
+    names = list(SCENARIOS) + [f"{k}_deferred" for k in DEFERRED] + list(REPLICATED)
     results = spawn_ranks(run_pp, 8, ([{**sc, "tp": True} for sc in scenarios],), timeout=900, rank_env=pp_hosts)
     return dict(zip(names, zip(*results, strict=True), strict=True))
 
@@ -83,3 +86,25 @@ def test_pp_tp_interleaved_fault_named_at_its_stage(runs: dict[str, Any], path: 
         assert r["errors"] == [] and r["counts"]["replay"] == {"pass": 1, "fail": 1}, r["counts"]
     assert _same(runs["interleaved_compute" + path]) == [
         (2, "replay", [2, 3], "transient", {"pp": 0, "dp_shard": 1, "tp": 0}, False, [2, "output"])]
+
+
+def test_pp_tp_dp_replicate_without_dp_shard(runs: dict[str, Any]) -> None:
+    """pp 2 x dp_replicate 2 x tp 2, torchtitan's ``dp_replicate x tp x pp`` (dp_shard 1: FSDP never calls its
+    reduce-scatter and copies the gradients, then all-reduces them across the replicas): the local gradients are read
+    at that copy. Healthy: every check passes, the weight vote runs from the first step (every shard has a replica),
+    training is bitwise that of the unmonitored run. A transient compute fault on rank 5 is named at stage 1 on its
+    tp ranks; a bit flipped in rank 6's weights is named on rank 6 alone (the at-rest check referees the two
+    replicas)."""
+    for r, off in zip(runs["replicated_healthy"], runs["replicated_off"], strict=True):
+        assert r["incidents"] == [] and r["errors"] == []
+        assert "pp=2 x dp_replicate=2 x dp_shard=1 x tp=2" in r["layout"], r["layout"]
+        counts = r["counts"]
+        assert counts["grad_local"] == {"pass": 4} and counts["grad_reduced"] == {"pass": 4}, counts
+        assert counts["replay"] == {"pass": 2} and counts["weights"] == {"pass": 4}, counts
+        assert r["losses"] == off["losses"]
+        assert all(r["weights"][n].equal(w) for n, w in off["weights"].items())
+    assert _same(runs["replicated_compute"]) == [
+        (2, "replay", [4, 5], "transient", {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "tp": 0}, False,
+         [1, "output"])]
+    assert _same(runs["replicated_flip"]) == [
+        (2, "weights", [6], "at_rest", {"pp": 1, "dp_replicate": 1, "dp_shard": 0, "tp": 0}, False, None)]

@@ -1,7 +1,7 @@
 """torchtitan's own trainer (0.3.0, its llama3 debug model) with an SDCMonitor in its training step, gloo CPU ranks
 under torchrun, the recipe of docs/integrations.md (examples/torchtitan): pipeline x FSDP (pp=2 x dp_shard=2, 1F1B
 and Interleaved1F1B), FSDP x tensor parallelism (dp_shard=2 x tp=2, sequence-parallel norms, vocab-parallel loss)
-on 4 ranks, and all three (pp=2 x dp_shard=2 x tp=2) on 8."""
+on 4 ranks, and all three (pp=2 x dp_shard=2 x tp=2, and pp=2 x dp_replicate=2 x tp=2) on 8."""
 
 from __future__ import annotations
 
@@ -94,6 +94,14 @@ def pp_tp_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 
 @pytest.fixture(scope="module")
+def replicate_tp_pp_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return run_titan(tmp_path_factory.mktemp("titan-dp-tp-pp"), "--parallelism.pipeline_parallel_degree", "2",
+                     "--parallelism.data_parallel_replicate_degree", "2",
+                     "--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2",
+                     ranks=8, fault_rank=7)
+
+
+@pytest.fixture(scope="module")
 def tp_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return run_titan(tmp_path_factory.mktemp("titan-tp"),
                      "--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2")
@@ -158,3 +166,18 @@ def test_pp_tp_trainer_runs_every_check_and_names_the_faulty_stage_tp_group(pp_t
         replay = [i for i in r["incidents"] if i["check"] == "replay"]
         assert [(i["step"], i["suspect_ranks"], i["stage"]) for i in replay] == [(FAULT_STEP, [6, 7], 1)], r
         assert replay[0]["coordinate"] == {"pp": 1, "dp_shard": 1, "tp": 0}, replay[0]
+
+
+def test_replicate_tp_pp_trainer_votes_weights_and_names_the_faulty_stage_tp_group(replicate_tp_pp_run: Run) -> None:
+    """torchtitan's Trainer on 8 ranks, dp_replicate=2 x tp=2 x pp=2 with no dp_shard (its stage modules HSDP over a
+    shard dimension of 1: FSDP copies the local gradients instead of reduce-scattering them, and the monitor reads
+    them at that copy): every check passes on the healthy audit, the weight vote across the two replicas from the
+    first step; a transient compute fault in the last stage's ``norm`` on rank 7 (pp 1, dp_replicate 1, tp 1) is
+    named on the tp ranks of that stage in that replica, 6 and 7, at stage 1."""
+    reports = check_run(replicate_tp_pp_run, None, {"grad_local", "grad_reduced", "replay", "weights"}, fault_rank=7)
+    for r in reports:
+        assert "pp=2 x dp_replicate=2 x dp_shard=1 x tp=2" in r["describe"], r
+        assert r["checks"]["weights"] == {"pass": STEPS}, r
+        replay = [i for i in r["incidents"] if i["check"] == "replay"]
+        assert [(i["step"], i["suspect_ranks"], i["stage"]) for i in replay] == [(FAULT_STEP, [6, 7], 1)], r
+        assert replay[0]["coordinate"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 0, "tp": 0}, replay[0]
