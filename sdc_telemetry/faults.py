@@ -22,6 +22,9 @@ What each fault does and when:
   ``transient=True`` only the first forward call of step ``step`` is hit (a fault that a rerun does not reproduce).
   With ``dither=True`` 16-bit outputs are rounded stochastically (``scaled``): a fault inside a float32 accumulation,
   before the output is rounded, so that one below half a unit in the last place still moves some elements.
+- ``perturb_input_grad``: the same in ``module``'s backward: the gradient it passes back to its inputs (what a
+  pipeline stage's first module sends to the previous stage) is multiplied by ``1 + relative``, its own parameters'
+  gradients untouched. ``transient=True``: only the backward of step ``step``'s first forward call.
 - ``corrupt_reduced_grad``: after the all-reduce of step ``step``, overwrite element ``index`` of the first bucket on
   ``rank`` with ``value`` (default NaN): corruption on the communication path. Needs ``comm_hook`` passed to
   the monitor (or registered on the DDP model when no monitor runs).
@@ -221,6 +224,25 @@ class FaultInjector:
 
         self._handles.append(target.register_forward_hook(hook))
 
+    def perturb_input_grad(self, *, rank: int, step: int, module: str, relative: float = 1e-3,
+                           steps: int | None = None, transient: bool = False) -> None:
+        target = self._submodule(module)
+        calls_at_step = 0
+
+        def pre(_m: torch.nn.Module, args: Any) -> Any:
+            nonlocal calls_at_step
+            if self.rank != rank or self.step < step or (steps is not None and self.step >= step + steps):
+                return None
+            if transient:
+                if self.step != step or calls_at_step > 0:
+                    return None
+                calls_at_step += 1
+            self.fired.append(f"gradient into {module}'s inputs scaled by {1 + relative} at step {self.step}")
+            return _map_tensors(args, lambda t: _ScaleGrad.apply(t, 1 + relative)  # type: ignore[no-untyped-call]
+                                if t.is_floating_point() and t.requires_grad else t)
+
+        self._handles.append(target.register_forward_pre_hook(pre))
+
     def corrupt_reduced_grad(self, *, rank: int, step: int, index: int = 0, value: float = math.nan) -> None:
         self._reduced.append((rank, step, value))
         self._reduced_index = index
@@ -352,6 +374,20 @@ def scaled(t: torch.Tensor, factor: torch.Tensor | float, dither: torch.Generato
     chance = torch.where(gap > 0, (exact - back).abs() / gap, torch.zeros_like(gap))
     draw = torch.rand(t.shape, generator=dither, device=t.device, dtype=wide)
     return torch.where(draw < chance, other, nearest)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """The identity forward; backward multiplies the gradient by ``factor`` (a fault in the backward kernel that
+    computes a module's input gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
 
 
 def _on(gen: torch.Generator, device: torch.device) -> torch.Generator | None:

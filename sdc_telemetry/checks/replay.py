@@ -605,6 +605,10 @@ class ReplayCheck:
                     else nullcontext([]) as got:
                 result = self._recomputer.run(micro)
             outputs = self._outputs_differ(recorded_outputs, got[0] if got else None)
+            # Exact mode: a stage that sent a different gradient back computed wrongly even where its own gradients
+            # match (a fault in the backward of its input gradient): a mismatch, so that it is among the suspects.
+            sent_differ = self.mode == "exact" and self._outputs is not None and outputs > 0 \
+                and bool(outputs >> self._outputs.parts)
             recorded_losses = _floats([m.loss for m in micro if m.loss is not None])  # one host copy
             loss_delta = max(_rel(a, b) for a, b in zip(result.losses, recorded_losses, strict=True))
             ref = record["norms"].double()
@@ -637,7 +641,7 @@ class ReplayCheck:
                 grad_delta = max(grad_delta, *per_param)
             if self.mode == "exact":
                 same_loss = all(_same_bits(a, b) for a, b in zip(result.losses, recorded_losses, strict=True))
-                mismatch = not (same_loss and result.fp == recorded_fp)
+                mismatch = not (same_loss and result.fp == recorded_fp) or sent_differ
                 margin = math.inf if mismatch else 0.0
             else:
                 # Each quantity against its own threshold: a parameter whose gradient is noisy (its terms cancel)
@@ -655,20 +659,24 @@ class ReplayCheck:
 
     def _outputs_differ(self, recorded: tuple[list[int], list[float], list[int]] | None,
                         got: tuple[list[int], list[float], list[int]] | None) -> int:
-        """Which of this rank's stages computed outputs that differ from the origin's recorded ones: bit k set for
-        local stage k (one stage per rank: 1 differs, 0 matches), -1 when a stage was not recorded on either side.
-        The last forwards of each stage are compared, as many as the shorter side has (a schedule's first step runs
-        one more forward before the micro-batches, to infer the stages' shapes). Exact mode compares their
-        fingerprints; tolerance mode each output's norm, relative, against the threshold of the loss (the quantity
-        nearest to a stage output)."""
+        """Which of this rank's stages computed outputs, or sent gradients back, that differ from the origin's
+        recorded ones: bit k set for local stage k's outputs (one stage per rank: 1 differs, 0 matches), bit
+        ``parts + k`` for the gradients it sent; -1 when a stage's outputs were not recorded on either side (a first
+        stage sends no gradient: nothing on both sides is a match). The last records of each channel are compared,
+        as many as the shorter side has (a schedule's first step runs one more forward before the micro-batches, to
+        infer the stages' shapes). Exact mode compares their fingerprints; tolerance mode each record's norm,
+        relative, against the threshold of the loss (the quantity nearest to a stage output)."""
         if recorded is None or got is None or self._outputs is None:
             return -1
         mask = 0
-        for k in range(self._outputs.parts):
+        parts = self._outputs.parts
+        for k in range(2 * parts):
             mine = [i for i, part in enumerate(recorded[2]) if part == k]
             theirs = [i for i, part in enumerate(got[2]) if part == k]
             n = min(len(mine), len(theirs))
             if not n:
+                if k >= parts and not mine and not theirs:
+                    continue
                 return -1
             pairs = list(zip(mine[-n:], theirs[-n:], strict=True))
             if self.mode == "exact":
@@ -682,10 +690,11 @@ class ReplayCheck:
                            ) -> tuple[tuple[int, ...], tuple[int, str] | None]:
         """Pipelines: among a replica's suspect positions, those of the stage that computed wrongly, and (stage, how
         it was found). A fault in stage s's forward changes the outputs of stages s and later (and, carried back by
-        backward, every stage's gradients): the first stage whose outputs differ. Outputs that all match (a fault
-        in a backward: it reaches the stages before it through the gradients it sends back, which are not
-        fingerprinted), or outputs not compared, leave the suspects as they are. A position runs one stage, or
-        several under an interleaved schedule (its marks are a bit per local stage)."""
+        backward, every stage's gradients): the first stage whose outputs differ. A fault in stage s's backward
+        leaves every output alike and changes the gradients s sends back and those every earlier stage sends: the
+        last stage whose sent gradients differ. Outputs not compared, or another pattern, leave the suspects as they
+        are. A position runs one stage, or several under an interleaved schedule (its marks are a bit per local
+        stage for its outputs, then a bit per local stage for the gradients it sent)."""
         if self._outputs is None or not suspects or why.get("ambiguous"):
             return suspects, None
         stages_of = self._outputs.stages_of
@@ -702,7 +711,16 @@ class ReplayCheck:
             return suspects, None
         differ = {s for p, m in marks.items() for k, s in enumerate(stages_of[p]) if m >> k & 1}
         if not differ:
-            return suspects, None
+            parts = self._outputs.parts
+            sent = {s for p, m in marks.items() for k, s in enumerate(stages_of[p]) if m >> (parts + k) & 1}
+            if not sent:
+                return suspects, None
+            stage = max(sent)
+            # What a backward fault makes: stage s and every earlier stage that sends a gradient (all but the
+            # first) differ, the later ones do not.
+            if sent != {s for p in suspects for s in stages_of[p] if 0 < s <= stage}:
+                return suspects, None
+            return tuple(p for p in suspects if stage in stages_of[p]), (stage, "gradient_sent")
         stage = min(differ)
         # What a forward fault makes: stage s and every later stage differ, the stages before it do not. Any other
         # pattern (noise over the threshold on an early stage, in tolerance mode) narrows nothing.

@@ -18,6 +18,8 @@ SCENARIOS = {
              "faults": {"flip_weight_bit": {"rank": 3, "step": 2, "param": "2.weight", "index": 3, "bit": 12}}},
     "compute": {"config": {"replay_every": 3}, "steps": 4,
                 "faults": {"perturb_output": {"rank": 2, "step": 0, "module": "0", "relative": 1e-3}}},
+    "backward": {"config": {"replay_every": 3}, "steps": 4,
+                 "faults": {"perturb_input_grad": {"rank": 3, "step": 0, "module": "0", "relative": 1e-3}}},
     "tolerance_compute": {"config": {"replay_every": 3, "mode": "tolerance", "tolerance": 1e-3}, "steps": 4,
                           "noise": 1e-6,
                           "faults": {"perturb_output": {"rank": 2, "step": 0, "module": "0", "relative": 1e-2}}},
@@ -96,6 +98,18 @@ def test_pp_dp_compute_fault_found_by_replaying_the_schedule_and_named_at_its_st
     step, check, suspects, verdict, coordinate, ambiguous, stage = _same(pp["compute"])[0]
     assert (step, check, suspects, verdict) == (3, "replay", [2], "persistent")
     assert coordinate == {"pp": 0, "dp_replicate": 1} and not ambiguous and stage == [0, "output"]
+
+
+def test_pp_backward_fault_named_at_the_stage_that_sent_the_wrong_gradient(pp: dict[str, Any]) -> None:
+    """A compute fault in the backward of stage 1 of replica 1 (rank 3): the gradient its first layer passes back to
+    the stage's input, which it sends to stage 0, is scaled; its own parameters' gradients are not. Every stage output
+    matches and only stage 0's gradients differ, so without the sent gradients the page would name rank 2, a healthy
+    rank on another host. Rank 3's sent gradients differ from its partners' reruns (a mismatch of its own), and the
+    last stage whose sent gradient differs is stage 1: rank 3 alone."""
+    assert any("gradient into 0's inputs" in f for f in pp["backward"][3]["fired"])
+    step, check, suspects, verdict, coordinate, ambiguous, stage = _same(pp["backward"])[0]
+    assert (step, check, suspects, verdict) == (3, "replay", [3], "persistent")
+    assert coordinate == {"pp": 1, "dp_replicate": 1} and not ambiguous and stage == [1, "gradient_sent"]
 
 
 def test_pp_tolerance_mode_under_gpu_noise_names_the_stage_by_its_output_norms(pp: dict[str, Any]) -> None:

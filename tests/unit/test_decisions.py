@@ -377,3 +377,38 @@ def test_outputs_are_compared_per_local_stage() -> None:
     assert check._outputs_differ(recorded, ([7, 2, 3, 4], [1.0] * 4, [0, 1, 0, 1])) == 0b01
     assert check._outputs_differ(recorded, ([1, 3], [1.0] * 2, [0, 0])) == -1
     assert check._outputs_differ(None, same) == -1
+
+
+def test_stage_rule_names_the_last_stage_that_sent_a_wrong_gradient() -> None:
+    """A fault in the backward of stage 2 of replica 1 (the gradient it sends back): every output matches, stage 2
+    sends a different gradient and so does stage 1 (it back-propagates what it received); stage 3 is untouched and
+    stage 0 sends nothing. With one stage per rank a position's sent-gradient bit is bit 1: position 6 at stage 2,
+    whether or not stage 3's rank is a suspect. Under an interleaved schedule (bits 2 and 3 for the two local
+    stages' sent gradients) a fault in stage 2's backward (pp rank 0's second stage): position 2. A pattern a
+    backward fault cannot make (stage 2 differs, stage 1 does not) narrows nothing."""
+    pairs = [(0, 4), (1, 5), (2, 6), (3, 7)]
+    sent = {pq: 0b10 * int(FOUR[pq[0]] in (1, 2)) for pq in pairs}
+    assert _stage_rule(FOUR, {pq: m for pq, m in sent.items() if pq != (3, 7)}, (4, 5, 6)) == \
+        ((6,), (2, "gradient_sent"))
+    assert _stage_rule(FOUR, sent, (4, 5, 6, 7)) == ((6,), (2, "gradient_sent"))
+    gap = {pq: 0b10 * int(FOUR[pq[0]] == 2) for pq in pairs[:3]}
+    assert _stage_rule(FOUR, gap, (4, 5, 6)) == ((4, 5, 6), None)
+    assert _stage_rule(LOOPED, {(0, 2): 0b1000, (1, 3): 0b0100}, (2, 3)) == ((2,), (2, "gradient_sent"))
+    # a forward fault wins: stage 1's output differs (and so do the gradients sent back): position 3, by its output
+    assert _stage_rule(LOOPED, {(0, 2): 0b1010, (1, 3): 0b1111}, (2, 3)) == ((3,), (1, "output"))
+
+
+def test_sent_gradients_are_compared_per_local_stage() -> None:
+    """The gradients a stage sends back are a channel of their own (``parts + k``): compared like outputs; none on
+    either side (a first stage) is a match, records on one side only make the comparison unknown."""
+    from sdc_telemetry.checks.replay import ReplayCheck
+
+    check = ReplayCheck.__new__(ReplayCheck)
+    check._outputs, check.mode = _Stages([[1, 3]]), "exact"
+    recorded = ([1, 2, 3, 4, 5, 6], [1.0] * 6, [0, 1, 0, 1, 3, 2])
+    assert check._outputs_differ(recorded, recorded) == 0
+    assert check._outputs_differ(recorded, ([1, 2, 3, 4, 5, 9], [1.0] * 6, [0, 1, 0, 1, 3, 2])) == 0b0100
+    assert check._outputs_differ(recorded, ([1, 2, 3, 4, 8, 6], [1.0] * 6, [0, 1, 0, 1, 3, 2])) == 0b1000
+    forward_only = ([1, 2, 3, 4], [1.0] * 4, [0, 1, 0, 1])
+    assert check._outputs_differ(forward_only, forward_only) == 0
+    assert check._outputs_differ(recorded, forward_only) == -1
