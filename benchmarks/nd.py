@@ -4,7 +4,9 @@
                                                   # PP x DP interleaved (2 stages a rank), PP x FSDP x TP (8 ranks)
     python benchmarks/nd.py --layout pp_dp        # one layout: hsdp_tp, fsdp_tp (dp_shard 2 x tp 2), pp_dp or
                                                   # pp_interleaved, pp_tp (pp 2 x dp_shard 2 x tp 2; it and
-                                                  # fsdp_tp have no weight replicas: shards checked at rest)
+                                                  # fsdp_tp have no weight replicas: shards checked at rest),
+                                                  # pp_rep_tp (pp 2 x dp_replicate 2 x tp 2: the 4-D mesh with
+                                                  # dp_shard 1, weights voted across the replicas)
     python benchmarks/nd.py --quick               # tiny model, two short rounds of both layouts (the smoke test)
     python benchmarks/nd.py --campaign            # fault campaign on HSDP x TP (8 gloo ranks)
     python benchmarks/nd.py --campaign --quick    # one trial of each fault class (the smoke test)
@@ -21,7 +23,9 @@ data-parallel group (``find_unused_parameters=True``, which torch 2.13's schedul
 GPT cut into four stages, two per pp rank (stages q and q + 2 on pp rank q), each DDP-wrapped, a
 ``ScheduleInterleaved1F1B`` of 4 micro-batches, and ``SDCMonitor([stage_a, stage_b], optimizer, pipeline=schedule,
 mesh=mesh)``. PP x FSDP x TP: the TP GPT cut into two stages on a ``(pp 2, dp_shard 2, tp 2)`` mesh, each stage's
-blocks tensor-parallel and fully_shard-ed over dp_shard, a ``Schedule1F1B``.
+blocks tensor-parallel and fully_shard-ed over dp_shard, a ``Schedule1F1B``. PP x HSDP x TP: the same on a
+``(pp 2, dp_replicate 2, dp_shard 1, tp 2)`` mesh (torchtitan's dp_replicate x tp x pp), HSDP over
+``("dp_replicate", "dp_shard")``: the local gradients are read at FSDP's copy, the weights voted across replicas.
 
 Overhead: configurations, each its own copy of the same model (same seed, own optimizer; the monitor wraps a
 model's reduce-scatter, so copies cannot be shared): unmonitored (the baseline); gradient checks + weights every
@@ -81,14 +85,16 @@ LAYOUTS: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
     "pp_dp": ((2, 2), ("dp_replicate", "pp")),
     "pp_interleaved": ((2, 2), ("dp_replicate", "pp")),
     "pp_tp": ((2, 2, 2), ("pp", "dp_shard", "tp")),
+    "pp_rep_tp": ((2, 2, 1, 2), ("pp", "dp_replicate", "dp_shard", "tp")),
 }
 TITLES = {"hsdp_tp": "HSDP x TP (dp_replicate 2 x dp_shard 2 x tp 2, 8 gloo ranks)",
           "fsdp_tp": "FSDP x TP (dp_shard 2 x tp 2, 4 gloo ranks)",
           "pp_dp": "PP x DP (2 stages x 2 DDP replicas, ScheduleGPipe, 4 gloo ranks)",
           "pp_interleaved": "PP x DP interleaved (4 stages, 2 a rank x 2 DDP replicas, ScheduleInterleaved1F1B, "
                             "4 gloo ranks)",
-          "pp_tp": "PP x FSDP x TP (pp 2 x dp_shard 2 x tp 2, Schedule1F1B, 8 gloo ranks)"}
-PIPELINES = ("pp_dp", "pp_interleaved", "pp_tp")
+          "pp_tp": "PP x FSDP x TP (pp 2 x dp_shard 2 x tp 2, Schedule1F1B, 8 gloo ranks)",
+          "pp_rep_tp": "PP x HSDP x TP (pp 2 x dp_replicate 2 x dp_shard 1 x tp 2, Schedule1F1B, 8 gloo ranks)"}
+PIPELINES = ("pp_dp", "pp_interleaved", "pp_tp", "pp_rep_tp")
 MICRO = 4  # pipeline micro-batches per step
 REPLAY_EVERY = 10
 QUICK_REPLAY_EVERY = 4
@@ -241,8 +247,9 @@ def build_pp(spec: dict[str, int], mesh: Any, seed: int = 0, per_rank: int = 1
 
 def build_pp_tp(spec: dict[str, int], mesh: Any, seed: int = 0) -> tuple[nn.Module, nn.Module, Any, bool, bool]:
     """This rank's stage of the TP GPT: its blocks tensor-parallel over ``mesh["tp"]`` (the plan of ``build_tp``),
-    then the blocks and the stage fully_shard-ed over ``mesh["dp_shard"]``, a Schedule1F1B over ``mesh["pp"]``.
-    Returns (module, what the monitor takes, schedule, first, last)."""
+    then the blocks and the stage fully_shard-ed over ``mesh["dp_shard"]`` (HSDP over ``mesh["dp_replicate",
+    "dp_shard"]`` when the mesh has dp_replicate), a Schedule1F1B over ``mesh["pp"]``. Returns (module, what the
+    monitor takes, schedule, first, last)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     pp = mesh.get_local_rank("pp")
@@ -251,10 +258,11 @@ def build_pp_tp(spec: dict[str, int], mesh: Any, seed: int = 0) -> tuple[nn.Modu
         raise ValueError(f"heads={spec['heads']} must be a multiple of tp={mesh['tp'].size()}")
     torch.manual_seed(seed)
     module = Stage(spec, pp, stages)
+    dp = mesh["dp_replicate", "dp_shard"] if "dp_replicate" in mesh.mesh_dim_names else mesh["dp_shard"]
     for block in module.blocks:
         parallelize_module(block, mesh["tp"], TP_PLAN)
-        fully_shard(block, mesh=mesh["dp_shard"])
-    fully_shard(module, mesh=mesh["dp_shard"])
+        fully_shard(block, mesh=dp)
+    fully_shard(module, mesh=dp)
     stage = PipelineStage(module, pp, stages, torch.device("cpu"), group=mesh.get_group("pp"))
     return module, module, Schedule1F1B(stage, MICRO, loss_fn=pp_loss), stage.is_first, stage.is_last
 
@@ -285,7 +293,7 @@ class _Copy:
         self.schedule: Any = None
         if spec["layout"] in PIPELINES:
             self.model, wrapped, self.schedule, self.first, self.last = build_pp_tp(spec["model"], mesh) \
-                if spec["layout"] == "pp_tp" else build_pp(spec["model"], mesh,
+                if spec["layout"] in ("pp_tp", "pp_rep_tp") else build_pp(spec["model"], mesh,
                                                            per_rank=2 if spec["layout"] == "pp_interleaved" else 1)
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
             self.monitor = None if fields is None else sdc.SDCMonitor(
@@ -718,7 +726,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, short rounds / one trial per class (smoke test)")
     p.add_argument("--campaign", action="store_true", help="the fault campaign on HSDP x TP instead of the overhead")
     p.add_argument("--layout", choices=["all", *sorted(LAYOUTS)], default="all",
-                   help="the layout timed (all: hsdp_tp, pp_dp, pp_interleaved, then pp_tp; --quick: not pp_tp)")
+                   help="the layout timed (all: hsdp_tp, pp_dp, pp_interleaved, then pp_tp and pp_rep_tp; --quick: "
+                        "not those two)")
     p.add_argument("--trials", type=int, default=6, help="campaign trials per fault class")
     p.add_argument("--seed", type=int, default=0, help="campaign seed")
     p.add_argument("--spawns", type=int, default=2, help="campaign: process spawns the trials are grouped into")
@@ -732,8 +741,9 @@ def main(argv: Sequence[str] | None = None) -> None:
              else run_campaign(args.trials, seed=args.seed, spawns=args.spawns))
         print(f"wrote {write_json('nd_campaign', c, args.out_dir)}")
         return
-    # --quick (the smoke test) leaves out pp_tp, 8 more ranks: tests/distributed/test_pipeline_tp.py runs that layout
-    every = ["hsdp_tp", "pp_dp", "pp_interleaved"] + ([] if args.quick else ["pp_tp"])
+    # --quick (the smoke test) leaves out pp_tp and pp_rep_tp, 8 more ranks each: tests/distributed/test_pipeline_tp.py
+    # runs those layouts
+    every = ["hsdp_tp", "pp_dp", "pp_interleaved"] + ([] if args.quick else ["pp_tp", "pp_rep_tp"])
     layouts = every if args.layout == "all" else [args.layout]
     results = {}
     for layout in layouts:

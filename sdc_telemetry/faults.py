@@ -202,21 +202,32 @@ class FaultInjector:
 
         self._handles.append(target.register_hook(hook))  # type: ignore[no-untyped-call]
 
+    def _calls(self, rank: int, step: int, steps: int | None, transient: bool) -> Callable[[], bool]:
+        """Whether a compute fault fires at this call: on ``rank``, from ``step`` on (for ``steps`` steps), or only
+        at the first call of ``step`` when ``transient``."""
+        calls_at_step = 0
+
+        def due() -> bool:
+            nonlocal calls_at_step
+            if self.rank != rank or self.step < step or (steps is not None and self.step >= step + steps):
+                return False
+            if transient:
+                if self.step != step or calls_at_step > 0:
+                    return False
+                calls_at_step += 1
+            return True
+        return due
+
     def perturb_output(self, *, rank: int, step: int, module: str, relative: float = 1e-3,
                        steps: int | None = None, transient: bool = False, dither: bool = False) -> None:
         target = self._submodule(module)
-        calls_at_step = 0
+        due = self._calls(rank, step, steps, transient)
         # dither: 16-bit outputs rounded stochastically (``scaled``), from a private generator (never the global RNG)
         gen = torch.Generator().manual_seed(0x5DC + rank) if dither else None
 
         def hook(_m: torch.nn.Module, _inp: Any, out: Any) -> Any:
-            nonlocal calls_at_step
-            if self.rank != rank or self.step < step or (steps is not None and self.step >= step + steps):
+            if not due():
                 return out
-            if transient:
-                if self.step != step or calls_at_step > 0:
-                    return out
-                calls_at_step += 1
             self.fired.append(f"output of {module} scaled by {1 + relative} at step {self.step}")
             if gen is None:
                 return _map_tensors(out, lambda t: t * (1 + relative))
@@ -227,16 +238,11 @@ class FaultInjector:
     def perturb_input_grad(self, *, rank: int, step: int, module: str, relative: float = 1e-3,
                            steps: int | None = None, transient: bool = False) -> None:
         target = self._submodule(module)
-        calls_at_step = 0
+        due = self._calls(rank, step, steps, transient)
 
         def pre(_m: torch.nn.Module, args: Any) -> Any:
-            nonlocal calls_at_step
-            if self.rank != rank or self.step < step or (steps is not None and self.step >= step + steps):
+            if not due():
                 return None
-            if transient:
-                if self.step != step or calls_at_step > 0:
-                    return None
-                calls_at_step += 1
             self.fired.append(f"gradient into {module}'s inputs scaled by {1 + relative} at step {self.step}")
             return _map_tensors(args, lambda t: _ScaleGrad.apply(t, 1 + relative)  # type: ignore[no-untyped-call]
                                 if t.is_floating_point() and t.requires_grad else t)

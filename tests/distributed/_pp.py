@@ -198,6 +198,15 @@ def run_tp_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
     first, last = stages[0].is_first, stages[-1].is_last
     module = nn.ModuleList(parts) if interleaved else parts[0]
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    faults, recorder, monitor = _monitored(rank, sc, module, parts if interleaved else module, opt, schedule, mesh)
+    losses = _train(monitor, schedule, opt, dp, sc.get("steps", 4), first, last)
+    return {**_result(monitor, faults, recorder, module), "losses": losses}
+
+
+def _monitored(rank: int, sc: dict[str, Any], module: nn.Module, parts: Any, opt: torch.optim.Optimizer,
+               schedule: Any, mesh: Any) -> tuple[FaultInjector, Recorder, Any]:
+    """The scenario's faults on ``module`` (those planned for this rank) and, unless ``"monitor": False``, an
+    SDCMonitor of ``parts`` (the stage module or the rank's stage modules) on the world ``mesh``."""
     faults = FaultInjector(module, opt)
     for kind, args in sc.get("faults", {}).items():
         if args["rank"] == rank:
@@ -205,11 +214,9 @@ def run_tp_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
     recorder = Recorder()
     monitor = None
     if sc.get("monitor", True):
-        monitor = sdc.SDCMonitor(parts if interleaved else module, opt, pipeline=schedule, mesh=mesh,
-                                 observer=recorder,
+        monitor = sdc.SDCMonitor(parts, opt, pipeline=schedule, mesh=mesh, observer=recorder,
                                  config=sdc.SDCConfig(metrics_port=None, nvml=False, **sc.get("config", {})))
-    losses = _train(monitor, schedule, opt, dp, sc.get("steps", 4), first, last)
-    return {**_result(monitor, faults, recorder, module), "losses": losses}
+    return faults, recorder, monitor
 
 
 def pp_hosts(rank: int) -> dict[str, str]:
@@ -272,15 +279,7 @@ def run_cp_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
     stage = PipelineStage(part, pp, 2, CPU, group=mesh.get_group("pp"))
     schedule = Schedule1F1B(stage, MICRO, loss_fn=cp_loss)
     opt = torch.optim.AdamW(part.parameters(), lr=1e-2)
-    faults = FaultInjector(part, opt)
-    for kind, args in sc.get("faults", {}).items():
-        if args["rank"] == rank:
-            getattr(faults, kind)(**args)
-    recorder = Recorder()
-    monitor = None
-    if sc.get("monitor", True):
-        monitor = sdc.SDCMonitor(part, opt, pipeline=schedule, mesh=mesh, observer=recorder,
-                                 config=sdc.SDCConfig(metrics_port=None, nvml=False, **sc.get("config", {})))
+    faults, recorder, monitor = _monitored(rank, sc, part, part, opt, schedule, mesh)
     chunk = SEQ // 2
 
     def batch(d: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
