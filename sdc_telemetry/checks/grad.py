@@ -54,8 +54,10 @@ class GradRecord:
         # back (DDP's checksum pass): then the end of the step needs no second pass over the gradients.
         self.reduced: torch.Tensor | None = None
         self._seen: set[int] = set()
+        self.generation = 0  # steps opened: ``reset`` counts them
 
     def reset(self, detail: bool = False) -> None:
+        self.generation += 1
         self.elapsed = 0.0
         self.reduced = None
         self.norms.zero_()

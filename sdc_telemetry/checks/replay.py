@@ -692,9 +692,10 @@ class ReplayCheck:
         it was found). A fault in stage s's forward changes the outputs of stages s and later (and, carried back by
         backward, every stage's gradients): the first stage whose outputs differ. A fault in stage s's backward
         leaves every output alike and changes the gradients s sends back and those every earlier stage sends: the
-        last stage whose sent gradients differ. Outputs not compared, or another pattern, leave the suspects as they
-        are. A position runs one stage, or several under an interleaved schedule (its marks are a bit per local
-        stage for its outputs, then a bit per local stage for the gradients it sent)."""
+        last stage whose sent gradients differ (exact mode, where such a stage is a mismatch and so a suspect).
+        Outputs not compared, or another pattern, leave the suspects as they are. A position runs one stage, or
+        several under an interleaved schedule (its marks are a bit per local stage for its outputs, then a bit per
+        local stage for the gradients it sent)."""
         if self._outputs is None or not suspects or why.get("ambiguous"):
             return suspects, None
         stages_of = self._outputs.stages_of
@@ -711,6 +712,10 @@ class ReplayCheck:
             return suspects, None
         differ = {s for p, m in marks.items() for k, s in enumerate(stages_of[p]) if m >> k & 1}
         if not differ:
+            if self.mode != "exact":
+                # Tolerance mode: a differing sent gradient is no mismatch of its own, so the stage that sent it
+                # first may not be among the suspects, and the last suspect stage would be named instead.
+                return suspects, None
             parts = self._outputs.parts
             sent = {s for p, m in marks.items() for k, s in enumerate(stages_of[p]) if m >> (parts + k) & 1}
             if not sent:

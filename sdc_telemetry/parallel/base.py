@@ -44,6 +44,7 @@ class GradSink(Protocol):
     """Where a layout's gradient tap hands the local gradients of the step (``checks.grad.GradRecord``)."""
 
     detail: bool
+    generation: int  # counts the steps opened (a tap that keeps state across calls within a step checks it)
 
     def note_call(self, key: int) -> None: ...
 

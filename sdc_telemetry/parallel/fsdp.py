@@ -137,12 +137,10 @@ def fsdp_groups(model: torch.nn.Module) -> list[tuple[Any, Any]]:
 
 class GradTap:
     """Wraps every parameter group's reduce-scatter: measures its input (the unsharded local gradients) into
-    ``store(index, norm_views, fp_tensors)`` before the collective runs. ``enabled`` switches measuring off."""
+    ``sink.store(index, norm_views, fp_tensors)`` before the collective runs (``sink.note_call(group)`` first, and
+    ``sink.fail()`` when measuring fails: the collective runs regardless). ``enabled`` switches measuring off."""
 
-    def __init__(self, layout: FSDPLayout, params: Sequence[torch.nn.Parameter],
-                 store: Callable[[list[int], list[torch.Tensor], list[torch.Tensor] | None], None],
-                 detail: Callable[[], bool], on_call: Callable[[int], None],
-                 on_error: Callable[[], None]) -> None:
+    def __init__(self, layout: FSDPLayout, params: Sequence[torch.nn.Parameter], sink: GradSink) -> None:
         from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
         index = {id(p): i for i, p in enumerate(params)}
@@ -151,16 +149,17 @@ class GradTap:
 
         class _Tapped(_OneRankShards, ReduceScatter):  # type: ignore[misc,valid-type]
             def __init__(self, inner: Any, gid: int, pg: Any) -> None:
-                super().__init__(inner, pg)
+                super().__init__(inner, pg, lambda: sink.generation)
                 self.gid = gid
 
             def _input(self, input_tensor: torch.Tensor, shards: int) -> None:
                 if tap.enabled:
                     try:
-                        on_call(self.gid)
-                        tap._measure(self.pg, input_tensor, shards, index, store, detail())
+                        sink.note_call(self.gid)
+                        tap._measure(self.pg, self._divided(input_tensor, shards), shards, index, sink.store,
+                                     sink.detail)
                     except Exception:  # noqa: BLE001 - reported through the status vector; the collective must run
-                        on_error()
+                        sink.fail()
 
         for gid, (module, pg) in enumerate(layout.groups):
             module.set_custom_reduce_scatter(_Tapped(pg._reduce_scatter_comm, gid, pg))
@@ -184,25 +183,29 @@ class GradTap:
 class _OneRankShards:
     """A reduce-scatter wrapper (``ReduceScatter``) that hands its input, the group's unsharded local gradients, to
     ``_input(input, shards)`` before the collective runs. Where the shard group is one rank (HSDP with a dp_shard of
-    1: replicas that shard nothing), FSDP never calls the reduce-scatter: it allocates the input, copies the local
-    gradients into it, allocates the output, divides the input where the reduce dtype risks overflow (fp16) and
-    copies it over (then all-reduces across the replicas). The input is then handed over at the second allocation,
-    when the copy-in is complete, divided here as FSDP is about to divide it (out of place: the same bits)."""
+    1: replicas that shard nothing), FSDP never calls the reduce-scatter: in ``foreach_reduce`` it allocates the
+    input, copies the local gradients into it, allocates the output, divides the input where the reduce dtype risks
+    overflow (fp16) and copies it over (then all-reduces across the replicas). The input is then handed over at the
+    second allocation, once the copy-in is complete; ``_divided`` divides it as FSDP is about to (out of place: the
+    same bits). An allocation is the second only when the first came in the same step (``generation``): a
+    ``foreach_reduce`` that raised between the two (an out-of-memory error a trainer skips) cannot leave the
+    alternation out of step."""
 
-    def __init__(self, inner: Any, pg: Any) -> None:
+    def __init__(self, inner: Any, pg: Any, generation: Callable[[], int]) -> None:
         self.inner, self.pg = inner, pg
         self.one_rank = pg.mesh_info.shard_mesh_size == 1
-        self._pending: torch.Tensor | None = None
+        self._generation = generation
+        self._pending: tuple[torch.Tensor, int] | None = None
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         out: torch.Tensor = self.inner.allocate(size, dtype=dtype, device=device)
         if self.one_rank:
-            if self._pending is None:
-                self._pending = out  # the input: FSDP copies the local gradients into it next
+            now = self._generation()
+            if self._pending is None or self._pending[1] != now:
+                self._pending = (out, now)  # the input: FSDP copies the local gradients into it next
             else:
-                filled, self._pending = self._pending, None
-                factor = _predivide_factor(self.pg)  # the reduce dtype is known once FSDP initialised lazily
-                self._input(filled.div(factor) if factor not in (None, 1) else filled, 1)
+                filled, self._pending = self._pending[0], None
+                self._input(filled, 1)
         return out
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
@@ -212,6 +215,13 @@ class _OneRankShards:
 
     def _input(self, input_tensor: torch.Tensor, shards: int) -> None:
         raise NotImplementedError
+
+    def _divided(self, input_tensor: torch.Tensor, shards: int) -> torch.Tensor:
+        """The input as the collective reduces it: a shard group of one rank's before FSDP's pre-division."""
+        if shards > 1 or not self.one_rank:
+            return input_tensor  # the reduce-scatter's input, already divided
+        factor = _predivide_factor(self.pg)  # the reduce dtype is known once FSDP initialised lazily
+        return input_tensor.div(factor) if factor not in (None, 1) else input_tensor
 
 
 def _param_views(pg: Any, inp: torch.Tensor, shards: int) -> list[tuple[Any, torch.Tensor]]:
@@ -303,7 +313,7 @@ def capture_grads(layout: FSDPLayout, params: Sequence[torch.nn.Parameter], run_
 
     class _Capture(_OneRankShards, ReduceScatter):  # type: ignore[misc,valid-type]
         def _input(self, input_tensor: torch.Tensor, shards: int) -> None:
-            for fp, view in _param_views(self.pg, input_tensor, shards):
+            for fp, view in _param_views(self.pg, self._divided(input_tensor, shards), shards):
                 i = index.get(id(fp.sharded_param))
                 if i is not None:
                     take(i, _unpadded(fp, view).clone(), None)  # then the collective: the replicas rerun together
@@ -313,7 +323,7 @@ def capture_grads(layout: FSDPLayout, params: Sequence[torch.nn.Parameter], run_
         for module, pg in layout.groups:
             current = pg._reduce_scatter_comm
             # the monitor's tap (GradTap) wraps the comm FSDP had: capture around that one, the tap bypassed
-            module.set_custom_reduce_scatter(_Capture(getattr(current, "inner", current), pg))
+            module.set_custom_reduce_scatter(_Capture(getattr(current, "inner", current), pg, lambda: 0))
             module.set_requires_gradient_sync(False, recurse=False)
         run_backward()
     finally:
@@ -384,7 +394,7 @@ class FSDP(Layout):
 
     def install(self, sink: GradSink, *, reduced_checks: bool = True) -> None:
         params = [p for p in self.module.parameters() if p.requires_grad]
-        self._tap = GradTap(self.mesh, params, sink.store, lambda: sink.detail, sink.note_call, sink.fail)
+        self._tap = GradTap(self.mesh, params, sink)
 
     def after_backward(self, sink: GradSink) -> None:
         """The reduce-scatter tap measured every parameter group during backward."""

@@ -378,6 +378,11 @@ def _fsdp_layout(modules: Sequence[torch.nn.Module], mesh: Any = None) -> Any:
 
     from sdc_telemetry.parallel import fsdp
 
+    if mesh is None and any("cp" in canonical(p.device_mesh._get_root_mesh().mesh_dim_names or ())
+                            for m in modules for p in m.parameters() if hasattr(p, "device_mesh")):
+        raise LayoutError("context parallelism inside pipeline stages needs the world mesh (its cp ranks are slots "
+                          "of a replica, not replicas): SDCMonitor(model_parts, optimizer, pipeline=schedule, "
+                          "mesh=world_mesh)")
     cp = mesh is not None and "cp" in (names := canonical(mesh.mesh_dim_names or ())) and \
         mesh.size(names.index("cp")) > 1
     if cp or any("tp" in (p.device_mesh.mesh_dim_names or ()) for m in modules for p in m.parameters()
@@ -608,6 +613,10 @@ class _PartSink:
     def detail(self) -> bool:
         return self._sink.detail
 
+    @property
+    def generation(self) -> int:
+        return self._sink.generation
+
     def note_call(self, key: int) -> None:
         self._sink.note_call(self._key + key)
 
@@ -790,7 +799,7 @@ class PipelineStageLayout(Layout):
             from sdc_telemetry.parallel.fsdp import GradTap
 
             params = [p for p in self.module.parameters() if p.requires_grad]
-            self._tap = GradTap(self._fsdp, params, sink.store, lambda: sink.detail, sink.note_call, sink.fail)
+            self._tap = GradTap(self._fsdp, params, sink)
 
     def after_backward(self, sink: GradSink) -> None:
         """DDP and FSDP2 stages were tapped during the step; a plain stage's ``.grad`` is read now."""

@@ -56,6 +56,7 @@ class Sink:
     """A GradSink that keeps, per tap call, the fingerprint rows (and clones) of the local gradients it is handed."""
 
     detail = True
+    generation = 0
 
     def __init__(self, n: int) -> None:
         self.n = n

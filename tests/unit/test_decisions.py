@@ -310,12 +310,13 @@ class _Stages:
 
 
 def _stage_rule(stage_of: list[int] | list[list[int]], marks: dict[tuple[int, int], int], suspects: tuple[int, ...],
-                why: dict[str, object] | None = None, rerun: dict[int, int] | None = None
+                why: dict[str, object] | None = None, rerun: dict[int, int] | None = None, mode: str = "exact"
                 ) -> tuple[tuple[int, ...], object]:
     from sdc_telemetry.checks.replay import ReplayCheck
 
-    check = ReplayCheck.__new__(ReplayCheck)  # the rule reads three fields; no process group needed
+    check = ReplayCheck.__new__(ReplayCheck)  # the rule reads four fields; no process group needed
     check._outputs, check._output_marks, check._rerun_output_marks = _Stages(stage_of), marks, rerun or {}
+    check.mode = mode
     return check._first_wrong_stage(suspects, why or {"fault": "persistent", "ambiguous": False})
 
 
@@ -383,9 +384,10 @@ def test_stage_rule_names_the_last_stage_that_sent_a_wrong_gradient() -> None:
     """A fault in the backward of stage 2 of replica 1 (the gradient it sends back): every output matches, stage 2
     sends a different gradient and so does stage 1 (it back-propagates what it received); stage 3 is untouched and
     stage 0 sends nothing. With one stage per rank a position's sent-gradient bit is bit 1: position 6 at stage 2,
-    whether or not stage 3's rank is a suspect. Under an interleaved schedule (bits 2 and 3 for the two local
-    stages' sent gradients) a fault in stage 2's backward (pp rank 0's second stage): position 2. A pattern a
-    backward fault cannot make (stage 2 differs, stage 1 does not) narrows nothing."""
+    whether or not stage 3's rank is a suspect (exact mode; tolerance mode does not narrow by sent gradients).
+    Under an interleaved schedule (bits 2 and 3 for the two local stages' sent gradients) a fault in stage 2's
+    backward (pp rank 0's second stage): position 2. A pattern a backward fault cannot make (stage 2 differs, stage
+    1 does not) narrows nothing."""
     pairs = [(0, 4), (1, 5), (2, 6), (3, 7)]
     sent = {pq: 0b10 * int(FOUR[pq[0]] in (1, 2)) for pq in pairs}
     assert _stage_rule(FOUR, {pq: m for pq, m in sent.items() if pq != (3, 7)}, (4, 5, 6)) == \
@@ -394,6 +396,8 @@ def test_stage_rule_names_the_last_stage_that_sent_a_wrong_gradient() -> None:
     gap = {pq: 0b10 * int(FOUR[pq[0]] == 2) for pq in pairs[:3]}
     assert _stage_rule(FOUR, gap, (4, 5, 6)) == ((4, 5, 6), None)
     assert _stage_rule(LOOPED, {(0, 2): 0b1000, (1, 3): 0b0100}, (2, 3)) == ((2,), (2, "gradient_sent"))
+    # tolerance mode: a differing sent gradient is no mismatch (stage 2's rank may not be a suspect): nothing narrowed
+    assert _stage_rule(FOUR, sent, (4, 5, 6, 7), mode="tolerance") == ((4, 5, 6, 7), None)
     # a forward fault wins: stage 1's output differs (and so do the gradients sent back): position 3, by its output
     assert _stage_rule(LOOPED, {(0, 2): 0b1010, (1, 3): 0b1111}, (2, 3)) == ((3,), (1, "output"))
 

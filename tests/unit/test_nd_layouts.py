@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from sdc_telemetry.checks.pairing import Outcome, attribute, plan_replica_pairs
@@ -85,3 +87,40 @@ def test_nd_layouts_refuse_a_torch_whose_dtensor_rng_the_replay_cannot_reproduce
     monkeypatch.setattr(torch, "__version__", "2.6.0")
     with pytest.raises(LayoutError, match="RNG tracker"):
         mesh.MeshLayout(torch.nn.Linear(2, 2))  # refused before anything else is looked at
+
+
+def test_one_rank_shard_group_reads_the_input_at_the_second_allocation() -> None:
+    """A shard group of one rank: FSDP allocates the reduce-scatter input, copies the local gradients in, then
+    allocates the output, and never calls the collective; the wrapper hands over the input at that second
+    allocation. An allocation left without its second by a step that raised (an out-of-memory error a trainer
+    skipped) does not shift the alternation: the next step's first allocation is an input again."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sdc_telemetry.parallel.fsdp import _OneRankShards
+
+    class Inner:
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return torch.zeros(size, dtype=dtype, device=device)
+
+    generation = [1]
+    seen: list[torch.Tensor] = []
+
+    class Wrapper(_OneRankShards):
+        def _input(self, input_tensor: torch.Tensor, shards: int) -> None:
+            seen.append(input_tensor)
+
+    pg = SimpleNamespace(mesh_info=SimpleNamespace(shard_mesh_size=1))
+    w = Wrapper(Inner(), pg, lambda: generation[0])
+    cpu = torch.device("cpu")
+    first = w.allocate((4,), dtype=torch.float32, device=cpu)
+    first.fill_(3.0)  # FSDP's copy-in
+    w.allocate((4,), dtype=torch.float32, device=cpu)
+    assert len(seen) == 1 and seen[0] is first
+    w.allocate((4,), dtype=torch.float32, device=cpu)  # a step that raised before its second allocation
+    generation[0] += 1
+    fresh = w.allocate((4,), dtype=torch.float32, device=cpu)
+    assert len(seen) == 1  # the new step's first allocation is an input, not the stale one's second
+    w.allocate((4,), dtype=torch.float32, device=cpu)
+    assert len(seen) == 2 and seen[1] is fresh
