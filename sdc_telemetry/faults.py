@@ -219,7 +219,11 @@ class FaultInjector:
         return due
 
     def perturb_output(self, *, rank: int, step: int, module: str, relative: float = 1e-3,
-                       steps: int | None = None, transient: bool = False, dither: bool = False) -> None:
+                       steps: int | None = None, transient: bool = False, dither: bool = False,
+                       first: bool = False) -> None:
+        """Scale ``module``'s output on ``rank`` (see ``_calls`` for when). ``first``: before the module's other
+        forward hooks (a compute fault inside a module whose output a hook then sends on, as expert parallelism's
+        combine does)."""
         target = self._submodule(module)
         due = self._calls(rank, step, steps, transient)
         # dither: 16-bit outputs rounded stochastically (``scaled``), from a private generator (never the global RNG)
@@ -233,7 +237,7 @@ class FaultInjector:
                 return _map_tensors(out, lambda t: t * (1 + relative))
             return _map_tensors(out, lambda t: scaled(t, 1 + relative, _on(gen, t.device)))
 
-        self._handles.append(target.register_forward_hook(hook))
+        self._handles.append(target.register_forward_hook(hook, prepend=first))
 
     def perturb_input_grad(self, *, rank: int, step: int, module: str, relative: float = 1e-3,
                            steps: int | None = None, transient: bool = False) -> None:

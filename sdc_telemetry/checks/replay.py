@@ -156,6 +156,11 @@ class ReplayCheck:
         self._micro_step = step
         self._capturing = self.due(step) or self._every_step
         self._step_outputs = None
+        if self._outputs is not None and self._outputs.whole_step:  # recorded from here to the step's audit
+            if self.due(step):
+                self._outputs.start()
+            else:
+                self._outputs.finish()
 
     @contextmanager
     def stage_outputs(self) -> Iterator[None]:
@@ -275,6 +280,8 @@ class ReplayCheck:
         calibrate = auto and self._audits % _CALIBRATE_EVERY == 0  # the rerun noise floor: one more recompute
         across = auto  # the cross-rank deltas: every scheduled audit, in its agreement (the model's size, not W's)
         self._audits += 0 if triggered else 1
+        if not triggered and self._outputs is not None and self._outputs.whole_step:
+            self._step_outputs = self._outputs.finish()
 
         mine = {"micro": micro, "fp": local_fp, "norms": local_norms.detach().float().cpu(),
                 "sketch": local_sketch.detach().cpu() if local_sketch is not None and not triggered else None,
@@ -322,7 +329,8 @@ class ReplayCheck:
             "verdict": "transient" if why.get("fault") == "transient" else "persistent",
         })
         if stage is not None:
-            evidence["stage"], evidence["stage_found_by"] = stage
+            keys = getattr(self._outputs, "evidence_keys", ("stage", "stage_found_by"))
+            evidence[keys[0]], evidence[keys[1]] = stage
         if len(suspects) > 1 and not evidence.get("ambiguous") and len({self._hosts[p] for p in suspects}) > 1:
             # One replica is wrong, but its coordinates share activations and gradients through tensor, context or
             # pipeline collectives: a fault on one spreads to the others, so which host computed it is not known.
@@ -695,8 +703,10 @@ class ReplayCheck:
         last stage whose sent gradients differ (exact mode, where such a stage is a mismatch and so a suspect).
         Outputs not compared, or another pattern, leave the suspects as they are. A position runs one stage, or
         several under an interleaved schedule (its marks are a bit per local stage for its outputs, then a bit per
-        local stage for the gradients it sent)."""
-        if self._outputs is None or not suspects or why.get("ambiguous"):
+        local stage for the gradients it sent). A recorder with a rule of its own (``narrow``: expert parallelism)
+        decides instead; it also narrows an ambiguous finding, to the same slot of each replica."""
+        narrow = getattr(self._outputs, "narrow", None)
+        if self._outputs is None or not suspects or (why.get("ambiguous") and narrow is None):
             return suspects, None
         stages_of = self._outputs.stages_of
         if why.get("fault") == "transient":
@@ -710,6 +720,8 @@ class ReplayCheck:
                         marks[p] = -1 if -1 in (prev, mark) else prev | mark
         if len(marks) != len(suspects) or any(m < 0 for m in marks.values()):
             return suspects, None
+        if narrow is not None:
+            return narrow(suspects, marks, self.mode)  # type: ignore[no-any-return]
         differ = {s for p, m in marks.items() for k, s in enumerate(stages_of[p]) if m >> k & 1}
         if not differ:
             if self.mode != "exact":

@@ -8,7 +8,9 @@ Two derived indices drive every check:
 
 - **replica**: the data-parallel index ``(dp_replicate, dp_shard)``. The ranks with the same replica index compute
   one micro-batch together (every pp/cp/tp coordinate), so a replay pairs replicas: the ranks of one replica
-  recompute another replica's micro-batches, each coordinate the same coordinate's.
+  recompute another replica's micro-batches, each coordinate the same coordinate's. Under expert parallelism
+  (``parallel.experts``) the ``ep`` ranks that split a ``dp_shard`` group exchange tokens, so they are one replica's
+  slots: the replica is ``(dp_replicate, efsdp)`` with ``efsdp = dp_shard // ep``.
 - **shard key**: ``(pp, dp_shard, cp, tp)``. Ranks with the same key hold the same parameter shard: the weight vote
   and the reduced-gradient comparison run among them, which are the ``dp_replicate`` replicas of the shard.
 """
@@ -27,9 +29,12 @@ __all__ = ["DIMS", "ALIASES", "Coordinates", "canonical", "check_dims"]
 
 #: the dimension names understood, outermost first (torchtitan's order)
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-_REPLICA = ("dp_replicate", "dp_shard")
+_REPLICA = ("dp_replicate", "efsdp")  # efsdp: dp_shard // ep (dp_shard without expert parallelism)
 _SHARD = ("pp", "dp_shard", "cp", "tp")
-_WHY = {"ep": "expert parallelism (experts sharded over ranks: tokens move between replicas' ranks)",
+_SLOT = ("pp", "cp", "tp", "ep")
+_WHY = {"ep": "expert parallelism's sparse mesh: pass the dense mesh (dp_replicate, dp_shard or fsdp, ...); the "
+              "experts' ep dim is read from their parameters",
+        "efsdp": "expert parallelism's sparse mesh: pass the dense mesh (dp_replicate, dp_shard or fsdp, ...)",
         "etp": "expert tensor parallelism", "dp": "a plain 'dp' dimension: name it dp_replicate or dp_shard",
         "world": "a flat 'world' mesh the others were unflattened from: pass mesh= the mesh with named dims "
                  "(torchtitan: the dense mesh of its ParallelDims)"}
@@ -70,17 +75,25 @@ class Coordinates:
     key_of: tuple[int, ...]                   # by group position: its shard key
 
     @classmethod
-    def gather(cls, sizes: Mapping[str, int], mine: Mapping[str, int], device: torch.device) -> Coordinates:
-        """Collective on the default group (set-up, once): every rank's coordinate."""
+    def gather(cls, sizes: Mapping[str, int], mine: Mapping[str, int], device: torch.device,
+               ep: tuple[int, int] = (1, 0)) -> Coordinates:
+        """Collective on the default group (set-up, once): every rank's coordinate. ``ep``: the expert-parallel size
+        and this rank's index in it (``parallel.experts``), when the experts are sharded over ranks."""
         check_dims(list(sizes))
         sizes = {ALIASES.get(d, d): v for d, v in sizes.items()}
-        mine = {ALIASES.get(d, d): v for d, v in mine.items()}
+        mine = {**{ALIASES.get(d, d): v for d, v in mine.items()}, "ep": ep[1]}
         full = {d: int(sizes.get(d, 1)) for d in DIMS}
-        row = torch.tensor([int(mine.get(d, 0)) for d in DIMS], dtype=torch.int64)
+        full.update(ep=ep[0], efsdp=full["dp_shard"] // ep[0])
+        dims = (*DIMS, "ep")
+        row = torch.tensor([int(mine.get(d, 0)) for d in dims], dtype=torch.int64)
         rows = gather_rows(row, None, device)
-        present = tuple(d for d in DIMS if d in sizes)
-        of = tuple({d: r[i] for i, d in enumerate(DIMS) if d in present} for r in rows)
-        replica_of = tuple(_flat(c, _REPLICA, full) for c in of)
+        present = tuple(d for d in dims if d in sizes or (d == "ep" and ep[0] > 1))
+        of = tuple({d: r[i] for i, d in enumerate(dims) if d in present} for r in rows)
+        if any(c.get("dp_shard", 0) % ep[0] != c.get("ep", 0) for c in of):
+            raise LayoutError("the ep dim is not the innermost part of dp_shard (ep index = dp_shard index mod ep on "
+                              "every rank): build the sparse mesh (dp_replicate, efsdp, ep) by unflattening the "
+                              "world as torchtitan's ParallelDims does")
+        replica_of = tuple(_flat({**c, "efsdp": c.get("dp_shard", 0) // ep[0]}, _REPLICA, full) for c in of)
         key_of = tuple(_flat(c, _SHARD, full) for c in of)
         seen = {(replica_of[p], key_of[p]) for p in range(len(of))}
         if len(seen) != len(of):
@@ -89,8 +102,9 @@ class Coordinates:
 
     @property
     def replicas(self) -> int:
-        """Data-parallel replicas (dp_replicate x dp_shard): the units a replay pairs."""
-        return self.sizes["dp_replicate"] * self.sizes["dp_shard"]
+        """Data-parallel replicas (dp_replicate x dp_shard, over ep under expert parallelism): the units a replay
+        pairs."""
+        return self.sizes["dp_replicate"] * self.sizes["efsdp"]
 
     @property
     def keys(self) -> int:
@@ -98,8 +112,8 @@ class Coordinates:
         return self.sizes["pp"] * self.sizes["dp_shard"] * self.sizes["cp"] * self.sizes["tp"]
 
     def slot_of(self, position: int) -> int:
-        """The coordinate of ``position`` within its replica (pp, cp, tp): the same slot in every replica."""
-        return _flat(self.of[position], ("pp", "cp", "tp"), self.sizes)
+        """The coordinate of ``position`` within its replica (pp, cp, tp, ep): the same slot in every replica."""
+        return _flat(self.of[position], _SLOT, self.sizes)
 
     def describe(self) -> str:
         return " x ".join(f"{d}={self.sizes[d]}" for d in self.present)

@@ -20,9 +20,14 @@ What each check compares (``parallel.coordinates``):
   its offsets in the device generator, which travels with the micro-batch (older torch kept a copy of its own:
   refused, ``check_torch``).
 
-Refused by name: pipeline dims without ``pipeline=`` (``parallel.pipeline``), expert parallelism, tensor
-parallelism without ``fully_shard`` (DDP over DTensor parameters), ``fully_shard`` over one data-parallel rank (no
-dp_shard nor dp_replicate dimension of 2 or more: nothing is reduced), several FSDP parameter groups per module. A
+Expert parallelism (experts sharded over an ``ep`` dim that splits ``dp_shard``, ``parallel.experts``): the mesh
+passed is the dense one; the experts' ``ep`` mesh is read from their parameters, and their FSDP groups shard over
+``dp_shard // ep``.
+
+Refused by name: pipeline dims without ``pipeline=`` (``parallel.pipeline``), expert parallelism with tensor,
+context or pipeline parallelism, tensor parallelism without ``fully_shard`` (DDP over DTensor parameters),
+``fully_shard`` over one data-parallel rank (no dp_shard nor dp_replicate dimension of 2 or more: nothing is
+reduced), several FSDP parameter groups per module. A
 dp_shard of 1 with dp_replicate replicas is covered: FSDP copies the gradients instead of reduce-scattering them,
 and the tap reads them at that copy (``fsdp._OneRankShards``).
 """
@@ -61,9 +66,12 @@ def world_mesh(model: torch.nn.Module) -> Any:
     if set(canonical(root.mesh_dim_names or ())) <= set(DIMS):
         return root
     # The root is a flat mesh the named one was unflattened from (torchtitan's "world"): the parameters' own mesh
-    # with the most dimensions, when it spans every rank, is the named mesh.
-    meshes = sorted({id(p.device_mesh): p.device_mesh for p in params}.values(), key=lambda m: -m.ndim)
-    if meshes[0].size() == dist.get_world_size() and set(canonical(meshes[0].mesh_dim_names or ())) <= set(DIMS):
+    # with the most dimensions named as DIMS, when it spans every rank, is the named mesh (the experts' sparse mesh,
+    # with its efsdp and ep dims, is not).
+    named = [m for m in {id(p.device_mesh): p.device_mesh for p in params}.values()
+             if set(canonical(m.mesh_dim_names or ())) <= set(DIMS)]
+    meshes = sorted(named, key=lambda m: -m.ndim)
+    if meshes and meshes[0].size() == dist.get_world_size():
         return meshes[0]
     return root
 
@@ -140,15 +148,22 @@ class MeshLayout(FSDP):
                               "over DTensor parameters is not supported")
         if len(_dtensor_params(model)) != len(list(model.parameters())):
             raise LayoutError("every parameter must be a DTensor (a module left outside fully_shard is not supported)")
-        self.mesh = fsdp_layout(fsdp_groups(model), sizes)
+        from sdc_telemetry.parallel.experts import ExpertOutputs, expert_layout
+
+        self.experts = expert_layout(model, sizes)
+        ep = self.experts.size if self.experts is not None else 1
+        self.mesh = fsdp_layout(fsdp_groups(model), sizes, ep=ep)
         self._tap = None
         coordinate = root.get_coordinate()
         assert coordinate is not None
         device = next(model.parameters()).device
-        self.coordinates = Coordinates.gather(sizes, dict(zip(canonical(names), coordinate, strict=True)), device)
+        self.coordinates = Coordinates.gather(sizes, dict(zip(canonical(names), coordinate, strict=True)), device,
+                                              ep=(ep, self.experts.index) if self.experts is not None else (1, 0))
         self.shard_of = list(self.coordinates.key_of)
         self.world_mesh = root
-        self.name = " x ".join(d for d in DIMS if sizes.get(d, 1) > 1) or "nd"
+        self.name = " x ".join([d for d in DIMS if sizes.get(d, 1) > 1] + (["ep"] if ep > 1 else [])) or "nd"
+        self._outputs = ExpertOutputs(self.experts.modules, self.experts.parents, self.world) \
+            if self.experts is not None else None
 
     @property
     def replicas(self) -> bool:
@@ -172,18 +187,33 @@ class MeshLayout(FSDP):
     def digest_key(self) -> int:
         return int(self.coordinates.key_of[self.position])
 
+    def stage_outputs(self) -> Any:
+        """Expert parallelism: the recorder of each MoE layer's tokens sent and experts' outputs (the replay names the
+        first that differs); None otherwise."""
+        return self._outputs
+
     def describe(self) -> str:
         return f"{self.name} over {self.world} ranks ({self.coordinates.describe()})"
 
 
-def fsdp_layout(groups: list[tuple[Any, Any]], sizes: dict[str, int]) -> FSDPLayout:
+def fsdp_layout(groups: list[tuple[Any, Any]], sizes: dict[str, int], ep: int = 1) -> FSDPLayout:
     """The FSDP2 layout of a tensor- or context-parallel model's parameter groups (``fsdp_groups``; a pipeline
     stage's, or several stage modules' together) on a mesh of dims ``sizes``: the shard and replicate groups come
     from FSDP's own mesh info (the parameters' placements mix data- and tensor-parallel dims, which
-    ``fsdp.layout_of`` refuses), after checking they are the mesh's data-parallel dims."""
-    info = groups[0][1].mesh_info
-    if any(pg.mesh_info.shard_mesh_size != info.shard_mesh_size for _, pg in groups):
+    ``fsdp.layout_of`` refuses), after checking they are the mesh's data-parallel dims. ``ep``: the experts' groups
+    (their parameters on an ``ep`` mesh) shard over ``dp_shard // ep`` (efsdp); the layout is the dense groups'."""
+    experts = [g for g in groups if ep > 1 and _on_ep_mesh(g[1])]
+    dense = [g for g in groups if g not in experts] or groups
+    info = dense[0][1].mesh_info
+    if any(pg.mesh_info.shard_mesh_size != info.shard_mesh_size for _, pg in dense):
         raise LayoutError("FSDP parameter groups shard over different mesh dimensions: not supported")
+    efsdp = sizes.get("dp_shard", 1) // ep
+    for module, pg in experts:
+        if pg.mesh_info.shard_mesh_size != efsdp or getattr(pg.mesh_info, "replicate_mesh_size", 1) != \
+                sizes.get("dp_replicate", 1):
+            raise LayoutError(f"{type(module).__name__}'s experts shard over {pg.mesh_info.shard_mesh_size} ranks: "
+                              f"apply fully_shard to the experts on the sparse mesh's efsdp dim ({efsdp} ranks: "
+                              "dp_shard // ep), with dp_replicate where the mesh has it")
     if info.shard_mesh_size < 2 and getattr(info, "replicate_mesh_size", 1) < 2:
         raise LayoutError("fully_shard over one data-parallel rank reduces nothing (no dp_shard nor dp_replicate "
                           "dimension of 2 or more): there are no gradients of other ranks to check")
@@ -201,3 +231,8 @@ def fsdp_layout(groups: list[tuple[Any, Any]], sizes: dict[str, int]) -> FSDPLay
     return FSDPLayout(shard_group=info.shard_process_group, shard_size=info.shard_mesh_size,
                       shard_index=info.shard_mesh_rank, replicate_group=replicate, replicas=replicas,
                       groups=tuple(groups))
+
+
+def _on_ep_mesh(pg: Any) -> bool:
+    """An FSDP parameter group of experts: its parameters are DTensors on a mesh with an ``ep`` dim."""
+    return "ep" in tuple(pg.fsdp_params[0].sharded_param.device_mesh.mesh_dim_names or ())

@@ -200,26 +200,44 @@ class StageOutputs:
         # live across steps)
         self._input_hooks: list[Any] = []
 
+    #: the recording spans the whole step, from its opening to its audit (``start``/``finish``, called by the
+    #: replay), rather than the schedule step (``recording``)
+    whole_step = False
+
     @contextmanager
     def recording(self, on: bool = True) -> Iterator[list[tuple[list[int], list[float], list[int]] | None]]:
         """Records the forwards and backwards inside the block (when ``on``); afterwards the yielded list holds (each
         record's fingerprint, folded to one word; its norm; its channel: the local stage's output, or ``parts`` + the
         local stage for a gradient sent back), in order, or None when nothing was recorded. One host read at the
-        end."""
+        end. Not ``on``: a recording in progress (``start``) is paused inside the block."""
         got: list[tuple[list[int], list[float], list[int]] | None] = []
+        paused = (self._rows, self._norms, self._local)
         if on:
-            self._rows, self._norms, self._local = [], [], []
+            self.start()
+        else:
+            self._rows = None
         try:
             yield got
         finally:
             if on:
-                for h in self._input_hooks:
-                    h.remove()
-                self._input_hooks.clear()
-                rows, norms, local = self._rows, self._norms, self._local
-                self._rows, self._norms, self._local = None, [], []
-                got.append((torch.stack(rows).cpu().tolist(), torch.stack(norms).double().cpu().tolist(), local)
-                           if rows else None)
+                got.append(self.finish())
+            else:
+                self._rows, self._norms, self._local = paused
+
+    def start(self) -> None:
+        """Start recording (a recording in progress is dropped)."""
+        self.finish()
+        self._rows, self._norms, self._local = [], [], []
+
+    def finish(self) -> tuple[list[int], list[float], list[int]] | None:
+        """Stop recording: what was recorded (as ``recording`` yields it), None when nothing was."""
+        for h in self._input_hooks:
+            h.remove()
+        self._input_hooks.clear()
+        rows, norms, local = self._rows, self._norms, self._local
+        self._rows, self._norms, self._local = None, [], []
+        return (torch.stack(rows).cpu().tolist(), torch.stack(norms).double().cpu().tolist(), local) if rows \
+            else None
 
     def _hook(self, k: int) -> Callable[..., None]:
         def on_output(_module: torch.nn.Module, inputs: Any, output: Any) -> None:

@@ -124,3 +124,22 @@ def test_one_rank_shard_group_reads_the_input_at_the_second_allocation() -> None
     assert len(seen) == 1  # the new step's first allocation is an input, not the stale one's second
     w.allocate((4,), dtype=torch.float32, device=cpu)
     assert len(seen) == 2 and seen[1] is fresh
+
+
+def test_expert_records_name_the_first_that_differs() -> None:
+    """Expert parallelism's rule: three records per MoE layer in forward order (the tokens about to be sent, the
+    tokens the experts received, their output); the first that differs on some but not all suspects names those,
+    unless it is a received one (the sender is not known); every suspect differing there, or none, narrows nothing."""
+    from sdc_telemetry.parallel.experts import ExpertOutputs
+
+    rule = ExpertOutputs.__new__(ExpertOutputs)  # the rule reads ``parts`` only
+    rule.parts = 6  # two MoE layers
+    # rank 3's experts in layer 0 (channel 2), then everything downstream: rank 3
+    assert rule.narrow((2, 3), {2: 0b111000, 3: 0b111100}, "exact") == ((3,), (0, "expert_output"))
+    # rank 2's tokens about to be sent to layer 1 (channel 3): rank 2, not the rank whose experts received them
+    assert rule.narrow((2, 3), {2: 0b111000, 3: 0b110000}, "exact") == ((2,), (1, "tokens_sent"))
+    # received tokens differ first: who sent them is not known
+    assert rule.narrow((2, 3), {2: 0b111110, 3: 0b111100}, "exact") == ((2, 3), None)
+    # both differ at their first record, or no record differs: the suspects as they were
+    assert rule.narrow((2, 3), {2: 0b000011, 3: 0b000001}, "exact") == ((2, 3), None)
+    assert rule.narrow((2, 3), {2: 0, 3: 0}, "exact") == ((2, 3), None)
