@@ -54,3 +54,38 @@ def llama3_cpu_debugmodel_sdc() -> SDCTrainer.Config:
     base.loss = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(base.model_spec))
     return SDCTrainer.Config(**{f.name: getattr(base, f.name) for f in fields(base) if f.init},
                              sdc=SDCSettings())
+
+
+def deepseek_v3_cpu_moe_debugmodel() -> Trainer.Config:
+    """deepseek_v3's debug model (MoE: 6 layers, 1 dense, 8 routed experts top-3 + 2 shared, dim 256, expert hidden
+    256, vocab 2048) on CPU gloo ranks, set up like ``llama3_cpu_debugmodel``: sequence length 128, 4 samples a rank,
+    float32, SDPA attention, no activation checkpointing, checkpointing, validation or CUDA graphs; offline tokenizer
+    and data. Expert parallelism from the command line (``--parallelism.expert_parallel_degree 2``)."""
+    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+
+    config = cpu_workarounds.use_sdpa(deepseek_v3_debugmodel())
+    config.hf_assets_path = os.environ.get("SDC_TITAN_ASSETS") or cpu_workarounds.apply()
+    config.dump_folder = os.environ.get("SDC_TITAN_DUMP", "./outputs")
+    config.dataloader = HuggingFaceTextDataLoader.Config(dataset="sdc_synthetic")
+    config.training.local_batch_size = 4
+    config.training.seq_len = 128
+    config.training.steps = 4
+    config.training.disable_cuda_graphs = True
+    config.training.mixed_precision_param = "float32"
+    config.parallelism.spmd_backend = "partial_dtensor"
+    config.activation_checkpoint = None  # type: ignore[assignment]
+    config.checkpoint.enable = False
+    config.validator.enable = False
+    config.debug.seed = 0
+    config.debug.enable_structured_logging = False
+    return config
+
+
+def deepseek_v3_cpu_moe_debugmodel_sdc() -> SDCTrainer.Config:
+    """The MoE job with an SDCMonitor in the training step (plain ``CrossEntropyLoss``, as
+    ``llama3_cpu_debugmodel_sdc`` explains)."""
+    base = deepseek_v3_cpu_moe_debugmodel()
+    base.loss = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(base.model_spec))
+    return SDCTrainer.Config(**{f.name: getattr(base, f.name) for f in fields(base) if f.init},
+                             sdc=SDCSettings())
+

@@ -7,7 +7,8 @@ Layout: everything comes from the DTensor parameters. A 1-D mesh places ``(Shard
 of every parameter: no replica); a 2-D HSDP mesh places ``(Replicate(), Shard(0))`` (ranks with the same shard index
 hold the same shard: a replicate group). Other layouts are refused by name.
 
-``grad_local``: each FSDP parameter group's reduce-scatter is wrapped (``FSDPModule.set_custom_reduce_scatter``). Its
+``grad_local``: each FSDP parameter group's reduce-scatter comm is wrapped (as ``FSDPModule.set_custom_reduce_scatter``
+sets it, per group: a module may own several, one per mesh, as torchtitan's MoE blocks do). Its
 input is the flat unsharded local gradient of the group, in the reduce dtype: row r of ``input.view(shard_size, -1)``
 holds shard r's padded chunk of every parameter, in the group's parameter order. The tap takes per-parameter norms of
 strided views (no copy) and, on replay audit steps, per-parameter fingerprints of the unpadded flat gradients (equal
@@ -22,9 +23,9 @@ micro-batches under gradient accumulation (as FSDP itself holds them). ``whole``
 keeps no reference to it.
 
 Parts of FSDP2 read here that are not public API (torch 2.13): ``FSDPModule._get_fsdp_state()._fsdp_param_groups``,
-``FSDPParamGroup.fsdp_params / _reduce_scatter_comm / _reduce_dtype / reduce_grads / all_reduce_grads /
+``FSDPParamGroup.fsdp_params / _reduce_scatter_comm (set) / _reduce_dtype / reduce_grads / all_reduce_grads /
 mesh_info / gradient_divide_factor / force_sum_reduction_for_comms``, ``_get_gradient_divide_factors``,
-``FSDPParam.sharded_param / unsharded_param / padded_sharded_param_size / _orig_size / is_dtensor /
+``FSDPParam.sharded_param / unsharded_param / padded_sharded_param_size / _orig_size / is_dtensor / fsdp_placement /
 _get_grad_inner_tensor``, the ``ReduceScatter``
 protocol in ``torch.distributed.fsdp._fully_shard._fsdp_api``, and, for a shard group of one rank, the order in which
 ``foreach_reduce`` allocates through it (the input, filled by the copy-in, then the output).
@@ -125,10 +126,15 @@ def fsdp_groups(model: torch.nn.Module) -> list[tuple[Any, Any]]:
     groups = []
     for m in model.modules():
         if isinstance(m, fsdp):
+            # several groups: per-parameter meshes (torchtitan's MoE blocks under expert parallelism, the experts on
+            # the efsdp mesh); each group is tapped and recomputed on its own
             owned = list(m._get_fsdp_state()._fsdp_param_groups)  # type: ignore[operator]
-            if len(owned) > 1:
-                raise LayoutError(f"{type(m).__name__} has {len(owned)} FSDP parameter groups (shard_placement_fn or "
-                                  "per-parameter meshes): not supported")
+            for pg in owned:
+                dims = {getattr(fp, "fsdp_placement", None) for fp in pg.fsdp_params} - {None}
+                if any(getattr(d, "dim", 0) != 0 for d in dims):
+                    raise LayoutError(f"{type(m).__name__} shards parameters on another dim than 0 "
+                                      f"({', '.join(sorted(map(str, dims)))}: a shard_placement_fn): not supported, "
+                                      "the gradient tap reads dim-0 shards")
             groups += [(m, pg) for pg in owned]
     if not groups:
         raise LayoutError("no FSDP parameter group owns parameters: apply fully_shard to the modules with parameters")
@@ -161,8 +167,9 @@ class GradTap:
                     except Exception:  # noqa: BLE001 - reported through the status vector; the collective must run
                         sink.fail()
 
-        for gid, (module, pg) in enumerate(layout.groups):
-            module.set_custom_reduce_scatter(_Tapped(pg._reduce_scatter_comm, gid, pg))
+        for gid, (_, pg) in enumerate(layout.groups):
+            # per group, as FSDPModule.set_custom_reduce_scatter sets it (which refuses a module of several groups)
+            pg._reduce_scatter_comm = _Tapped(pg._reduce_scatter_comm, gid, pg)
 
     @staticmethod
     def _measure(pg: Any, inp: torch.Tensor, shards: int, index: dict[int, int],
@@ -318,17 +325,17 @@ def capture_grads(layout: FSDPLayout, params: Sequence[torch.nn.Parameter], run_
                 if i is not None:
                     take(i, _unpadded(fp, view).clone(), None)  # then the collective: the replicas rerun together
 
-    saved = [(module, pg._reduce_scatter_comm) for module, pg in layout.groups]
+    saved = [(pg, pg._reduce_scatter_comm) for _, pg in layout.groups]
     try:
         for module, pg in layout.groups:
             current = pg._reduce_scatter_comm
             # the monitor's tap (GradTap) wraps the comm FSDP had: capture around that one, the tap bypassed
-            module.set_custom_reduce_scatter(_Capture(getattr(current, "inner", current), pg, lambda: 0))
+            pg._reduce_scatter_comm = _Capture(getattr(current, "inner", current), pg, lambda: 0)
             module.set_requires_gradient_sync(False, recurse=False)
         run_backward()
     finally:
-        for module, comm in saved:
-            module.set_custom_reduce_scatter(comm)
+        for pg, comm in saved:
+            pg._reduce_scatter_comm = comm
 
 
 def _redistributes(fp: Any, grad: torch.Tensor) -> bool:

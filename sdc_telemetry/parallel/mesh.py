@@ -27,7 +27,7 @@ passed is the dense one; the experts' ``ep`` mesh is read from their parameters,
 Refused by name: pipeline dims without ``pipeline=`` (``parallel.pipeline``), expert parallelism with tensor,
 context or pipeline parallelism, tensor parallelism without ``fully_shard`` (DDP over DTensor parameters),
 ``fully_shard`` over one data-parallel rank (no dp_shard nor dp_replicate dimension of 2 or more: nothing is
-reduced), several FSDP parameter groups per module. A
+reduced), parameters sharded on another dim than 0 (a ``shard_placement_fn``). A
 dp_shard of 1 with dp_replicate replicas is covered: FSDP copies the gradients instead of reduce-scattering them,
 and the tap reads them at that copy (``fsdp._OneRankShards``).
 """

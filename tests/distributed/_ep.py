@@ -123,7 +123,18 @@ def expert_parallel(routed: RoutedExperts, ep: Any) -> None:
     routed.ep = ep
 
 
-def build(replicate: int, shard: int, ep: int) -> tuple[nn.Module, Any]:
+def _per_parameter_mesh(experts: nn.Module, edp: Any, dp: Any) -> Any:
+    """torchtitan 0.3's shard_placement_fn for a MoE block under expert parallelism: the experts' parameters on the
+    efsdp mesh, the others on the dense data-parallel mesh."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+
+    held = set(experts.parameters())
+    expert_info, dense_info = _get_mesh_info(edp, None), _get_mesh_info(dp, None)
+    return lambda p: ShardPlacementResult(placement=Shard(0), mesh_info=expert_info if p in held else dense_info)
+
+
+def build(replicate: int, shard: int, ep: int, one_module: bool = False) -> tuple[nn.Module, Any]:
     """The model on a dense mesh (dp_replicate, dp_shard) and a sparse one (dp_replicate, efsdp, ep), both unflattened
     from the world mesh (torchtitan's ParallelDims)."""
     torch.manual_seed(0)
@@ -135,15 +146,18 @@ def build(replicate: int, shard: int, ep: int) -> tuple[nn.Module, Any]:
     edp = sparse["dp_replicate", "efsdp"] if replicate > 1 else sparse["efsdp"]
     for moe in (model.m1, model.m2):
         expert_parallel(moe.routed, sparse["ep"])
-        fully_shard(moe.routed.experts, mesh=edp)
         # (torchtitan also sets the experts' gradient divide factor to the dense one: a PREMUL_SUM, which gloo lacks)
-        fully_shard(moe, mesh=dp)
+        if one_module:  # torchtitan 0.3: one fully_shard per block, the experts on their own mesh (two groups)
+            fully_shard(moe, mesh=dp, shard_placement_fn=_per_parameter_mesh(moe.routed.experts, edp, dp))
+        else:  # the experts their own FSDP module on the efsdp mesh (torchtitan before 0.3)
+            fully_shard(moe.routed.experts, mesh=edp)
+            fully_shard(moe, mesh=dp)
     fully_shard(model, mesh=dp)
     return model, dense
 
 
 def run_one(rank: int, replicate: int, shard: int, ep: int, sc: dict[str, Any]) -> dict[str, Any]:
-    model, mesh = build(replicate, shard, ep)
+    model, mesh = build(replicate, shard, ep, sc.get("one_module", False))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     faults = FaultInjector(model, opt)
     if sc.get("corrupt_update"):

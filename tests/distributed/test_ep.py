@@ -33,6 +33,10 @@ SCENARIOS = {
     "nan": {"config": {"replay_every": 0}, "steps": 4, "nan": {"rank": 0, "step": 2}},
     "update": {"config": {"replay_every": 0, "update_every": 1}, "steps": 5,
                "corrupt_update": {"rank": 1, "step": 2, "index": 2, "relative": 1e-3}},
+    # torchtitan 0.3's form: one fully_shard per MoE block, the experts a second parameter group on the efsdp mesh
+    "one_module": {"config": {"replay_every": 2}, "steps": 4, "one_module": True,
+                   "perturb": {"rank": 1, "step": 2, "module": "m2.routed.experts", "relative": 1e-3, "first": True,
+                               "transient": True}},
     # dp_replicate 2 x dp_shard 2 with ep 2: the experts are replicated, one rank's shard each (efsdp 1)
     "replicated": {"config": {"replay_every": 2}, "steps": 6, "shape": (2, 2, 2)},
     "replicated_flip": {"config": {"replay_every": 0}, "steps": 4, "shape": (2, 2, 2),
@@ -112,3 +116,14 @@ def test_replicated_experts_vote_and_replay(ep: dict[str, Any]) -> None:
         assert r["incidents"] == [] and r["errors"] == []
         assert r["counts"]["weights"] == {"pass": 6} and r["counts"]["replay"] == {"pass": 3}, r["counts"]
         assert r["counts"]["grad_local"] == {"pass": 6}
+
+
+def test_experts_in_a_second_parameter_group_of_their_block(ep: dict[str, Any]) -> None:
+    """torchtitan 0.3 shards each MoE block with one fully_shard whose shard_placement_fn puts the experts on the
+    efsdp mesh: two parameter groups in one FSDP module, each tapped and recomputed on its own. The audit of step 0
+    passes; rank 1's experts computing wrongly at step 2 are named at the second MoE layer."""
+    [incident] = _same(ep["one_module"])
+    assert incident[:4] == (2, "replay", [1], "transient") and incident[5] == 1 and not incident[6], incident
+    for r in ep["one_module"]:
+        assert r["errors"] == [] and r["counts"]["replay"] == {"pass": 1, "fail": 1}, r["counts"]
+        assert r["counts"]["grad_local"] == {"pass": 4}, r["counts"]

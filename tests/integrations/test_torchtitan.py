@@ -1,7 +1,8 @@
 """torchtitan's own trainer (0.3.0, its llama3 debug model) with an SDCMonitor in its training step, gloo CPU ranks
 under torchrun, the recipe of docs/integrations.md (examples/torchtitan): pipeline x FSDP (pp=2 x dp_shard=2, 1F1B
 and Interleaved1F1B), FSDP x tensor parallelism (dp_shard=2 x tp=2, sequence-parallel norms, vocab-parallel loss)
-on 4 ranks, and all three (pp=2 x dp_shard=2 x tp=2, and pp=2 x dp_replicate=2 x tp=2) on 8."""
+on 4 ranks, and all three (pp=2 x dp_shard=2 x tp=2, and pp=2 x dp_replicate=2 x tp=2) on 8; its deepseek_v3 MoE
+debug model with expert parallelism (dp_shard=4, ep=2) on 4."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ TP_REPLICA = {2, 3}  # tp: torchtitan's mesh is (fsdp, tp), so dp_shard=1 is ran
 Run = tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]
 
 
-def run_titan(tmp_path: Path, *args: str, ranks: int = 4, fault_rank: int = FAULT_RANK) -> Run:
+def run_titan(tmp_path: Path, *args: str, ranks: int = 4, fault_rank: int = FAULT_RANK,
+              config: str = "llama3_cpu_debugmodel_sdc") -> Run:
     """torchrun ``ranks`` ranks of examples/torchtitan/train.py with a fault drill at FAULT_STEP on ``fault_rank``;
     the per-rank reports the SDCTrainer wrote."""
     if os.environ.get("CI"):
@@ -37,7 +39,7 @@ def run_titan(tmp_path: Path, *args: str, ranks: int = 4, fault_rank: int = FAUL
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SDC_TITAN_ASSETS": str(tmp_path / "tokenizer"),
            "SDC_TITAN_DUMP": str(tmp_path / "outputs")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--standalone", str(TRAIN),
-           "--config", "llama3_cpu_debugmodel_sdc", "--training.steps", str(STEPS), "--sdc.report", str(report),
+           "--config", config, "--training.steps", str(STEPS), "--sdc.report", str(report),
            "--sdc.weights_every", "1", "--sdc.replay_every", "2", "--sdc.on_suspect", "record",
            "--sdc.perturb_output_at", str(FAULT_STEP), "--sdc.fault_rank", str(fault_rank), *args]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
@@ -99,6 +101,13 @@ def replicate_tp_pp_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                      "--parallelism.data_parallel_replicate_degree", "2",
                      "--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2",
                      ranks=8, fault_rank=7)
+
+
+@pytest.fixture(scope="module")
+def moe_ep_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return run_titan(tmp_path_factory.mktemp("titan-moe-ep"), "--parallelism.data_parallel_shard_degree", "4",
+                     "--parallelism.expert_parallel_degree", "2", "--sdc.mesh", "dense",
+                     config="deepseek_v3_cpu_moe_debugmodel_sdc")
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +190,18 @@ def test_replicate_tp_pp_trainer_votes_weights_and_names_the_faulty_stage_tp_gro
         replay = [i for i in r["incidents"] if i["check"] == "replay"]
         assert [(i["step"], i["suspect_ranks"], i["stage"]) for i in replay] == [(FAULT_STEP, [6, 7], 1)], r
         assert replay[0]["coordinate"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 0, "tp": 0}, replay[0]
+
+
+def test_moe_expert_parallel_trainer_runs_every_check_and_names_the_faulty_ep_group(moe_ep_run: Run) -> None:
+    """torchtitan's Trainer with its deepseek_v3 MoE debug model (8 routed experts, top 3, 2 shared) under expert
+    parallelism, dp_shard=4 x ep=2, unchanged: each MoE block one fully_shard whose shard_placement_fn puts the
+    experts on the efsdp mesh (two FSDP parameter groups in one module), tokens exchanged by its all-to-all token
+    dispatcher. Every check passes on the healthy audit (the replay of the partner ep group through its own
+    all-to-alls); a transient compute fault in the final ``norm`` on rank 3 at step 2 (after every MoE layer: no
+    expert record differs) is named on the ranks of its ep group, 2 and 3, with their ep coordinates."""
+    reports = check_run(moe_ep_run, "dp_shard x ep", {"grad_local", "grad_reduced", "replay", "weights"})
+    for r in reports:
+        assert "dp_shard=4 x tp=1 x ep=2" in r["describe"], r
+        replay = [i for i in r["incidents"] if i["check"] == "replay"]
+        assert [(i["step"], i["suspect_ranks"], i["verdict"]) for i in replay] == [(FAULT_STEP, [2, 3], "transient")]
+        assert replay[0]["coordinates"]["3"]["ep"] == 1 and replay[0]["coordinates"]["2"]["ep"] == 0, replay[0]
