@@ -435,6 +435,7 @@ def run_overhead(layout: str = "hsdp_tp", model: dict[str, int] | None = None, r
 # -- campaign -------------------------------------------------------------------------------------------------------
 
 CAMPAIGN_LAYOUT = "hsdp_tp"
+CAMPAIGN_LAYOUTS = ("hsdp_tp", "pp_rep_tp")  # the 3-D mesh, and the 4-D one with a pipeline (dp_shard 1)
 CAMPAIGN_REPLAY_EVERY = 2
 HOSTS = 2  # ranks look like 2 hosts of 4 (SDC_HOST_NAME): one dp_replicate replica per host, tp inside a host
 BITS = {"sign": [31], "exponent": list(range(23, 31)), "mantissa": list(range(0, 23))}
@@ -443,9 +444,9 @@ FAULT_KINDS = ([f"weight_{b}" for b in BITS] + [f"compute_{r}" for r in RELATIVE
 KINDS = ("healthy", *FAULT_KINDS)
 
 
-def _campaign_targets() -> tuple[list[str], list[str]]:
-    """Parameter names and perturbable module names of the campaign's model (the same on every layout)."""
-    m = TPGPT(**CAMPAIGN_MODEL)
+def _campaign_targets(stage: int | None = None, stages: int = 1) -> tuple[list[str], list[str]]:
+    """Parameter names and perturbable module names of the campaign's model, or of its pipeline ``stage``."""
+    m: nn.Module = TPGPT(**CAMPAIGN_MODEL) if stage is None else Stage(CAMPAIGN_MODEL, stage, stages)
     params = [n for n, _ in m.named_parameters()]
     modules = [n for n, sub in m.named_modules() if isinstance(sub, (nn.Linear, nn.LayerNorm, nn.Embedding))]
     return params, modules
@@ -454,24 +455,27 @@ def _campaign_targets() -> tuple[list[str], list[str]]:
 QUICK_KINDS = ("healthy", "weight_mantissa", "compute_1e-3", "grad_sign")
 
 
-def plan(trials_per_kind: int, seed: int, steps: int, world: int, kinds: Sequence[str] = KINDS
-         ) -> list[dict[str, Any]]:
-    """``trials_per_kind`` trials of each kind in random order; rank, step, tensor, element and bit drawn at random.
-    Fault steps lie in 1 .. steps - 2 (a persistent fault then meets at least one audit before the end)."""
+def plan(trials_per_kind: int, seed: int, steps: int, world: int, kinds: Sequence[str] = KINDS,
+         layout: str = "hsdp_tp") -> list[dict[str, Any]]:
+    """``trials_per_kind`` trials of each kind in random order; rank, step, tensor, element and bit drawn at random
+    (under a pipeline, the tensor or module among those of the rank's stage). Fault steps lie in 1 .. steps - 2 (a
+    persistent fault then meets at least one audit before the end)."""
     if steps < 4:
         raise ValueError(f"steps must be >= 4 (a fault step between the first step and an audit), got {steps}")
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         raise ValueError(f"unknown fault kinds {unknown}; known: {list(KINDS)}")
     rng = random.Random(seed)
-    params, modules = _campaign_targets()
-    weights = [n for n in params if n.endswith("weight")]
+    shape, names = LAYOUTS[layout]
     drawn = [k for k in kinds for _ in range(trials_per_kind)]
     rng.shuffle(drawn)
     out = []
     for i, kind in enumerate(drawn):
         t: dict[str, Any] = {"id": i, "kind": kind, "seed": rng.randrange(2**31), "steps": steps,
                              "rank": rng.randrange(world), "step": rng.randrange(1, steps - 1)}
+        stage = coordinate_of(t["rank"], layout)["pp"] if "pp" in names else None
+        params, modules = _campaign_targets(stage, shape[names.index("pp")] if "pp" in names else 1)
+        weights = [n for n in params if n.endswith("weight")]
         if kind == "healthy":
             t["rank"], t["step"] = None, None
         elif kind.startswith(("weight_", "grad_")):
@@ -524,9 +528,13 @@ def _grad_bit_flip(model: nn.Module, t: dict[str, Any], clock: list[int], fired:
     return owner.register_forward_pre_hook(pre_forward)
 
 
-def _campaign_trial(t: dict[str, Any], mesh: Any) -> dict[str, Any]:
+def _campaign_trial(t: dict[str, Any], mesh: Any, layout: str) -> dict[str, Any]:
     rank = dist.get_rank()
-    model = build_tp(CAMPAIGN_MODEL, mesh, seed=t["seed"])
+    schedule: Any = None
+    if layout in PIPELINES:  # the rank's stage (fault targets were drawn among its own stage's)
+        model, _, schedule, _, _ = build_pp_tp(CAMPAIGN_MODEL, mesh, seed=t["seed"])
+    else:
+        model = build_tp(CAMPAIGN_MODEL, mesh, seed=t["seed"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     inj = FaultInjector(model, opt)
     clock = [0]
@@ -535,7 +543,7 @@ def _campaign_trial(t: dict[str, Any], mesh: Any) -> dict[str, Any]:
     handles = []
     kind = t["kind"]
     faulty = rank == t["rank"]
-    if kind.startswith("weight_"):
+    if kind.startswith("weight_") and (faulty or schedule is None):  # another stage has other parameter names
         local = _local(dict(model.named_parameters())[t["param"]])
         index = min(int(t["at"] * local.numel()), local.numel() - 1)
         if local.numel():
@@ -548,15 +556,21 @@ def _campaign_trial(t: dict[str, Any], mesh: Any) -> dict[str, Any]:
             handles.append(model.register_forward_pre_hook(after_flip))
     elif kind.startswith("grad_") and faulty:
         handles.append(_grad_bit_flip(model, t, clock, fired))
-    elif kind.startswith("compute_"):
+    elif kind.startswith("compute_") and (faulty or schedule is None):
         inj.perturb_output(rank=t["rank"], step=t["step"], module=t["module"], relative=t["relative"])
     recorder = _Results()
-    monitor = sdc.SDCMonitor(model, opt, loss_fn=lm_loss, observer=recorder, config=sdc.SDCConfig(
-        weights_every=1, replay_every=CAMPAIGN_REPLAY_EVERY, on_suspect="record", metrics_port=None, nvml=False))
+    config = sdc.SDCConfig(weights_every=1, replay_every=CAMPAIGN_REPLAY_EVERY, on_suspect="record",
+                           metrics_port=None, nvml=False)
+    monitor = sdc.SDCMonitor(model, opt, pipeline=schedule, mesh=mesh, observer=recorder, config=config) \
+        if schedule is not None else sdc.SDCMonitor(model, opt, loss_fn=lm_loss, observer=recorder, config=config)
     m = CAMPAIGN_MODEL
-    for batch in token_batches(t["steps"], 4, m["seq"], m["vocab"], seed=t["seed"] + 1 + dp_index(mesh)):
+    batch_size = 2 * MICRO if schedule is not None else 4
+    for batch in token_batches(t["steps"], batch_size, m["seq"], m["vocab"], seed=t["seed"] + 1 + dp_index(mesh)):
         with monitor.step(batch) as st:
-            st.backward(lm_loss(model, batch))
+            if schedule is not None:
+                st.pipeline_step(batch[0], target=batch[1])
+            else:
+                st.backward(lm_loss(model, batch))
         opt.step()
         opt.zero_grad()
         clock[0] += 1
@@ -571,15 +585,15 @@ def _campaign_trial(t: dict[str, Any], mesh: Any) -> dict[str, Any]:
             "replays": {str(k): v for k, v in recorder.replays.items()}, "errors": sorted(set(recorder.errors))}
 
 
-def _campaign_rank(rank: int, world: int, trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _campaign_rank(rank: int, world: int, trials: list[dict[str, Any]], layout: str) -> list[dict[str, Any]]:
     logging.getLogger("sdc_telemetry").setLevel(logging.CRITICAL)  # incidents are the point: keep stderr quiet
     torch.set_flush_denormal(True)
-    shape, names = LAYOUTS[CAMPAIGN_LAYOUT]
+    shape, names = LAYOUTS[layout]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     out = []
     for t in trials:
         try:
-            r = _campaign_trial(t, mesh)
+            r = _campaign_trial(t, mesh, layout)
         except Exception as e:  # the same plan on every rank: a planning error happens on all of them alike
             r = {"id": t["id"], "error": f"{type(e).__name__}: {e}"}
         fired: list[Any] = [None] * world
@@ -592,8 +606,8 @@ def _campaign_rank(rank: int, world: int, trials: list[dict[str, Any]]) -> list[
     return out
 
 
-def coordinate_of(rank: int) -> dict[str, int]:
-    shape, names = LAYOUTS[CAMPAIGN_LAYOUT]
+def coordinate_of(rank: int, layout: str = CAMPAIGN_LAYOUT) -> dict[str, int]:
+    shape, names = LAYOUTS[layout]
     coord, rest = {}, rank
     for name, size in reversed(list(zip(names, shape, strict=True))):
         coord[name] = rest % size
@@ -605,11 +619,11 @@ def _replica(coord: dict[str, int]) -> tuple[int, ...]:
     return tuple(v for k, v in coord.items() if k.startswith("dp"))
 
 
-def _coordinate_right(incident: dict[str, Any], faulty: dict[str, int]) -> bool:
+def _coordinate_right(incident: dict[str, Any], faulty: dict[str, int], layout: str = CAMPAIGN_LAYOUT) -> bool:
     """The incident's coordinate is one of its suspects' and, on every dim where the suspects agree, the faulty
     rank's: a 2-replica weight incident names the shard (dp_shard, tp) exactly, a replay incident the replica."""
     coord = incident["coordinate"]
-    suspects = [coordinate_of(s) for s in incident["suspects"]]
+    suspects = [coordinate_of(s, layout) for s in incident["suspects"]]
     if coord is None or coord not in suspects:
         return False
     return all(coord[d] == faulty[d] for d in coord if len({s[d] for s in suspects}) == 1)
@@ -628,7 +642,8 @@ def outcome_class(t: dict[str, Any], r: dict[str, Any]) -> str:
     return "persistent" if kind != "healthy" else "healthy"
 
 
-def score(trials: list[dict[str, Any]], results: dict[int, dict[str, Any]], world: int) -> dict[str, Any]:
+def score(trials: list[dict[str, Any]], results: dict[int, dict[str, Any]], world: int,
+          layout: str = CAMPAIGN_LAYOUT) -> dict[str, Any]:
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     healthy_rank_steps = false_incidents = 0
     false_by_check: dict[str, int] = {}
@@ -662,14 +677,14 @@ def score(trials: list[dict[str, Any]], results: dict[int, dict[str, Any]], worl
         row["latency"].append(first_step - fault_step)
         for c in sorted({i["check"] for i in first}):
             row["first_check"][c] = row["first_check"].get(c, 0) + 1
-        mine = coordinate_of(t["rank"])
+        mine = coordinate_of(t["rank"], layout)
         named = [i for i in first if t["rank"] in i["suspects"]]
         row["rank_named"] += int(bool(named))
         row["named_alone"] += int(any(i["suspects"] == [t["rank"]] for i in first))
         row["ambiguous"] += int(any(i["ambiguous"] for i in named))
-        row["replica_right"] += int(any(i["suspects"] and all(_replica(coordinate_of(s)) == _replica(mine)
+        row["replica_right"] += int(any(i["suspects"] and all(_replica(coordinate_of(s, layout)) == _replica(mine)
                                                               for s in i["suspects"]) for i in named))
-        row["coordinate_right"] += int(any(_coordinate_right(i, mine) for i in named))
+        row["coordinate_right"] += int(any(_coordinate_right(i, mine, layout) for i in named))
     out_rows = []
     for (kind, cls), row in sorted(rows.items(), key=lambda kv: (KINDS.index(kv[0][0]), kv[0][1])):
         lat = row.pop("latency")
@@ -682,21 +697,23 @@ def score(trials: list[dict[str, Any]], results: dict[int, dict[str, Any]], worl
 
 
 def run_campaign(trials_per_kind: int = 6, steps: int = 6, seed: int = 0, spawns: int = 2,
-                 kinds: Sequence[str] = KINDS, say: Any = print) -> dict[str, Any]:
-    shape, names = LAYOUTS[CAMPAIGN_LAYOUT]
+                 kinds: Sequence[str] = KINDS, say: Any = print, layout: str = CAMPAIGN_LAYOUT) -> dict[str, Any]:
+    if layout not in CAMPAIGN_LAYOUTS:
+        raise ValueError(f"the campaign runs on {', '.join(CAMPAIGN_LAYOUTS)}, not {layout!r}")
+    shape, names = LAYOUTS[layout]
     world = math.prod(shape)
-    trials = plan(trials_per_kind, seed, steps, world, kinds)
+    trials = plan(trials_per_kind, seed, steps, world, kinds, layout)
     spawns = max(1, min(spawns, len(trials)))
     groups = [trials[g::spawns] for g in range(spawns)]
     t0 = time.perf_counter()
     results: dict[int, dict[str, Any]] = {}
     for group in groups:
-        per_rank = spawn_ranks(_campaign_rank, world, args=(group,), timeout=3600, pg_timeout=600,
+        per_rank = spawn_ranks(_campaign_rank, world, args=(group, layout), timeout=3600, pg_timeout=600,
                                rank_env=lambda r: {"SDC_HOST_NAME": f"host{r * HOSTS // world}"})
         for r in per_rank[0]:
             results[r["id"]] = r
     wall = time.perf_counter() - t0
-    s = score(trials, results, world)
+    s = score(trials, results, world, layout)
     rows = []
     for row in s["rows"]:
         lat = "-" if row["latency_median"] is None else f"{row['latency_median']:g} / {row['latency_max']:g}"
@@ -706,14 +723,14 @@ def run_campaign(trials_per_kind: int = 6, steps: int = 6, seed: int = 0, spawns
                      row["ambiguous"], lat, checks])
     say(table(["fault", "class", "trials", "detected", "rank named", "named alone", "replica right",
                "coordinate right", "ambiguous", "latency med / max", "first check"], rows,
-              title=f"Fault campaign on {TITLES[CAMPAIGN_LAYOUT]}, {len(trials)} trials of {steps} steps, "
+              title=f"Fault campaign on {TITLES[layout]}, {len(trials)} trials of {steps} steps, "
                     f"weights/1 + replay/{CAMPAIGN_REPLAY_EVERY}, seed {seed}"))
     say(f"false incidents: {s['false_incidents']} in {s['healthy_rank_steps']} healthy rank-steps "
         f"({s['false_incidents_by_check'] or 'none'}); errors: {len(s['errors'])}; {wall:.0f} s wall "
         f"in {spawns} spawn(s)")
     for e in s["errors"][:5]:
         say(f"  error in trial {e['id']} ({e['kind']}): {e['error']}")
-    return {"layout": CAMPAIGN_LAYOUT, "mesh": dict(zip(names, shape, strict=True)), "world": world,
+    return {"layout": layout, "mesh": dict(zip(names, shape, strict=True)), "world": world,
             "hosts": HOSTS, "model": CAMPAIGN_MODEL, "steps": steps, "replay_every": CAMPAIGN_REPLAY_EVERY,
             "seed": seed, "trials": len(trials), "spawns": spawns, "wall_s": wall, **s,
             "plan": trials, "results": [results.get(t["id"]) for t in trials]}
@@ -737,9 +754,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     if args.campaign:
-        c = (run_campaign(1, steps=4, spawns=1, kinds=QUICK_KINDS, seed=args.seed) if args.quick
-             else run_campaign(args.trials, seed=args.seed, spawns=args.spawns))
-        print(f"wrote {write_json('nd_campaign', c, args.out_dir)}")
+        layout = CAMPAIGN_LAYOUT if args.layout == "all" else args.layout
+        c = (run_campaign(1, steps=4, spawns=1, kinds=QUICK_KINDS, seed=args.seed, layout=layout) if args.quick
+             else run_campaign(args.trials, seed=args.seed, spawns=args.spawns, layout=layout))
+        name = "nd_campaign" if layout == CAMPAIGN_LAYOUT else f"nd_campaign_{layout}"
+        print(f"wrote {write_json(name, c, args.out_dir)}")
         return
     # --quick (the smoke test) leaves out pp_tp and pp_rep_tp, 8 more ranks each: tests/distributed/test_pipeline_tp.py
     # runs those layouts

@@ -117,3 +117,23 @@ def test_coordinate_scoring(nd: ModuleType) -> None:
     assert nd._coordinate_right(replay, nd.coordinate_of(7))
     assert not nd._coordinate_right({"suspects": [6, 7], "coordinate": nd.coordinate_of(2)}, nd.coordinate_of(7))
     assert not nd._coordinate_right({"suspects": [6], "coordinate": None}, nd.coordinate_of(6))
+
+
+def test_campaign_plan_on_the_pipeline_layout_draws_the_faulty_ranks_own_stage(nd: ModuleType) -> None:
+    """On pp 2 x dp_replicate 2 x dp_shard 1 x tp 2 (pp outermost: ranks 0-3 run stage 0), every fault targets a
+    tensor or module of the faulty rank's own stage: the embeddings only on stage 0, the head only on stage 1."""
+    trials = nd.plan(4, seed=3, steps=6, world=8, layout="pp_rep_tp")
+    assert nd.coordinate_of(5, "pp_rep_tp") == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "tp": 1}
+    seen = set()
+    for t in trials:
+        if t["kind"] == "healthy":
+            continue
+        stage = nd.coordinate_of(t["rank"], "pp_rep_tp")["pp"]
+        params, modules = nd._campaign_targets(stage, 2)
+        target = t.get("param") or t["module"]
+        assert target in params or target in modules, (t, stage)
+        seen.add((stage, target.split(".")[0]))
+    assert ("tok" not in {name for stage, name in seen if stage == 1})
+    assert ("head" not in {name for stage, name in seen if stage == 0})
+    with pytest.raises(ValueError, match="campaign runs on"):
+        nd.run_campaign(1, layout="pp_tp")
