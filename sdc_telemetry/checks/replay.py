@@ -187,6 +187,12 @@ class ReplayCheck:
     def drop(self) -> None:
         self._micro = []
         self._capturing = False
+        if self._outputs is not None and self._outputs.whole_step:
+            self._outputs.finish()  # the step will not be audited: stop recording its forwards
+
+    def _paused_outputs(self) -> Any:
+        """A context in which forwards are not recorded (a recording in progress resumes after it)."""
+        return self._outputs.recording(False) if self._outputs is not None else nullcontext()
 
     def capture(self, batch: Any) -> None:
         check_shippable(batch)
@@ -365,7 +371,8 @@ class ReplayCheck:
             try:
                 if not micro:
                     raise RuntimeError(f"this rank holds no complete record of step {step}")
-                now = self._recomputer.run(micro)  # its own record, on today's weights
+                with self._paused_outputs():  # not this step's audit: a whole-step recording must not see it
+                    now = self._recomputer.run(micro)  # its own record, on today's weights
             except Exception as e:  # noqa: BLE001 - told to every rank through the gather below
                 self.error_text = f"{type(e).__name__}: {e}"
         current = late.summary(now.losses, scales, now.norms.double().cpu().tolist()) if now is not None \
@@ -444,7 +451,8 @@ class ReplayCheck:
             if record is None or not record["micro"]:
                 raise RuntimeError("no replay record received from the origin rank")
             micro: list[MicroBatch] = record["micro"]
-            result = self._recomputer.run(micro)
+            with self._paused_outputs():
+                result = self._recomputer.run(micro)
             got = late.summary(result.losses, [m.scale for m in micro], result.norms.double().cpu().tolist())
             extra = record["extra"]
             dist = late.distance((extra["recorded"][0], extra["recorded"][1]), got)
@@ -615,8 +623,7 @@ class ReplayCheck:
             outputs = self._outputs_differ(recorded_outputs, got[0] if got else None)
             # Exact mode: a stage that sent a different gradient back computed wrongly even where its own gradients
             # match (a fault in the backward of its input gradient): a mismatch, so that it is among the suspects.
-            sent_differ = self.mode == "exact" and self._outputs is not None and outputs > 0 \
-                and bool(outputs >> self._outputs.parts)
+            sent_differ = self.mode == "exact" and self._outputs is not None and self._outputs.sent_differs(outputs)
             recorded_losses = _floats([m.loss for m in micro if m.loss is not None])  # one host copy
             loss_delta = max(_rel(a, b) for a, b in zip(result.losses, recorded_losses, strict=True))
             ref = record["norms"].double()
@@ -676,7 +683,7 @@ class ReplayCheck:
         relative, against the threshold of the loss (the quantity nearest to a stage output)."""
         if recorded is None or got is None or self._outputs is None:
             return -1
-        mask = 0
+        differs: list[bool] = []
         parts = self._outputs.parts
         for k in range(2 * parts):
             mine = [i for i, part in enumerate(recorded[2]) if part == k]
@@ -691,8 +698,8 @@ class ReplayCheck:
                 differ = any(recorded[0][i] != got[0][j] for i, j in pairs)
             else:
                 differ = not max(_rel(got[1][j], recorded[1][i]) for i, j in pairs) <= self.thresholds[0]
-            mask |= int(differ) << k
-        return mask
+            differs += [False] * (k - len(differs)) + [differ]
+        return int(self._outputs.encode(differs))
 
     def _first_wrong_stage(self, suspects: tuple[int, ...], why: dict[str, Any]
                            ) -> tuple[tuple[int, ...], tuple[int, str] | None]:
@@ -717,7 +724,7 @@ class ReplayCheck:
                 for p in pair:
                     if p in suspects:
                         prev = marks.get(p, mark)
-                        marks[p] = -1 if -1 in (prev, mark) else prev | mark
+                        marks[p] = -1 if -1 in (prev, mark) else self._outputs.merge(prev, mark)
         if len(marks) != len(suspects) or any(m < 0 for m in marks.values()):
             return suspects, None
         if narrow is not None:

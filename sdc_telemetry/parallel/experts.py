@@ -15,10 +15,11 @@ follows for the checks:
   and the same experts' shard (the same ``ep`` and ``efsdp`` index), so weights are compared across ``dp_replicate``.
 - **localising within a replica**: one rank's wrong result reaches every slot of its replica through the all-to-alls.
   On scheduled audits each rank records, per MoE layer, the input of the experts' parent (the tokens it is about to
-  send, where the parent dispatches them, as torchtitan's RoutedExperts does), the tokens its experts received and
-  what they computed (before the combine); the replay compares them with the origin's in forward order, and the
-  first record that differs names its ranks: tokens sent, the rank's own computation since the previous layer;
-  expert output (every token matched), the rank's experts.
+  send, where the parent dispatches them, as torchtitan's RoutedExperts does), the tokens its experts received,
+  what they computed (before the combine) and what came back to the parent; in exact mode the replay compares them
+  with the origin's in forward order, and the first record that differs names its ranks: tokens sent, the rank's
+  own computation since the previous layer's results came back; expert output (every token matched), the rank's
+  experts (``evidence["moe_layer"]``: the experts' module name).
 
 Covered: ``ep`` over ``dp_shard`` (with or without ``dp_replicate``). Refused by name: ``ep`` together with tensor,
 context or pipeline parallelism, expert tensor parallelism.
@@ -38,12 +39,12 @@ __all__ = ["ExpertLayout", "expert_layout", "ExpertOutputs"]
 
 
 class ExpertLayout:
-    """The expert-parallel part of a model: the ep size, this rank's ep index, the modules that hold the experts and
-    their parents."""
+    """The expert-parallel part of a model: the ep size, this rank's ep index, the modules that hold the experts,
+    their parents and their names."""
 
-    def __init__(self, size: int, index: int, modules: list[torch.nn.Module], parents: list[torch.nn.Module]
-                 ) -> None:
-        self.size, self.index, self.modules, self.parents = size, index, modules, parents
+    def __init__(self, size: int, index: int, modules: list[torch.nn.Module], parents: list[torch.nn.Module],
+                 names: list[str]) -> None:
+        self.size, self.index, self.modules, self.parents, self.names = size, index, modules, parents, names
 
 
 def expert_layout(model: torch.nn.Module, sizes: dict[str, int]) -> ExpertLayout | None:
@@ -51,9 +52,9 @@ def expert_layout(model: torch.nn.Module, sizes: dict[str, int]) -> ExpertLayout
     ``sizes``; None when there is none. ``LayoutError`` names what is not covered."""
     from torch.distributed.tensor import DTensor
 
-    modules, parents, meshes = [], [], []
+    modules, parents, names, meshes = [], [], [], []
     parent_of = {id(child): module for module in model.modules() for child in module.children()}
-    for module in model.modules():
+    for name, module in model.named_modules():
         held = [p for p in module.parameters(recurse=False)
                 if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())]
         if held:
@@ -62,6 +63,7 @@ def expert_layout(model: torch.nn.Module, sizes: dict[str, int]) -> ExpertLayout
                                   "(torchtitan's GroupedExperts inside its RoutedExperts)")
             modules.append(module)
             parents.append(parent_of[id(module)])
+            names.append(name)
             meshes += [p.device_mesh for p in held]
     if not modules:
         return None
@@ -81,7 +83,7 @@ def expert_layout(model: torch.nn.Module, sizes: dict[str, int]) -> ExpertLayout
     if shard % size:
         raise LayoutError(f"the ep dim ({size}) does not divide dp_shard ({shard}): expert parallelism splits the "
                           "dense mesh's dp_shard into (efsdp, ep), as torchtitan's sparse mesh does")
-    return ExpertLayout(size, index, modules, parents)
+    return ExpertLayout(size, index, modules, parents, names)
 
 
 def _ep_size(mesh: Any) -> int:
@@ -89,27 +91,30 @@ def _ep_size(mesh: Any) -> int:
 
 
 class ExpertOutputs(StageOutputs):
-    """Per MoE layer, in forward order, three records of this rank (recorded while a recording is in force): the
-    input of the experts' parent module (channel ``3 * layer``: the tokens it is about to send, where the dispatch
-    happens in the parent's forward, as in torchtitan's RoutedExperts), the experts' input (``3 * layer + 1``: the
-    tokens they received) and their output (``3 * layer + 2``, before any hook sends it on). ``narrow`` names the
-    first that differs. ``modules``: the modules that hold the experts; ``parents``: their parents."""
+    """Per MoE layer, in forward order, four records of this rank (recorded while a recording is in force): the
+    input of the experts' parent module (channel ``4 * layer``: the tokens it is about to send, where the dispatch
+    happens in the parent's forward, as in torchtitan's RoutedExperts), the experts' input (``+ 1``: the tokens they
+    received), their output (``+ 2``, before any hook sends it on) and the parent's output (``+ 3``: the results
+    that came back). ``narrow`` names the first that differs. ``modules``: the modules that hold the experts;
+    ``parents``: their parents; ``names``: the modules' names, for evidence."""
 
-    #: the evidence keys of a narrowed finding (the layer, and which record named it)
+    #: the evidence keys of a narrowed finding (the experts' module, and which record named it)
     evidence_keys = ("moe_layer", "moe_found_by")
     #: the forwards run in the training loop's own code: recorded from the step's opening to its audit
     whole_step = True
 
-    def __init__(self, modules: Sequence[torch.nn.Module], parents: Sequence[torch.nn.Module], positions: int
-                 ) -> None:
+    def __init__(self, modules: Sequence[torch.nn.Module], parents: Sequence[torch.nn.Module], names: Sequence[str],
+                 positions: int) -> None:
         super().__init__([], [[]] * positions)
-        self.parts = 3 * len(modules)
+        self.parts = 4 * len(modules)
+        self.names = list(names)
         # the parent's input and the experts' output prepended: before the hooks that may dispatch or combine; the
         # experts' input appended: after them (what the experts compute on)
         self._handles = [h for k, (m, parent) in enumerate(zip(modules, parents, strict=True)) for h in (
-            parent.register_forward_pre_hook(self._inputs(3 * k), prepend=True),
-            m.register_forward_pre_hook(self._inputs(3 * k + 1)),
-            m.register_forward_hook(self._computed(3 * k + 2), prepend=True))]
+            parent.register_forward_pre_hook(self._inputs(4 * k), prepend=True),
+            m.register_forward_pre_hook(self._inputs(4 * k + 1)),
+            m.register_forward_hook(self._computed(4 * k + 2), prepend=True),
+            parent.register_forward_hook(self._computed(4 * k + 3)))]
 
     def _inputs(self, channel: int) -> Callable[..., None]:
         def on_input(_module: torch.nn.Module, inputs: Any) -> None:
@@ -123,17 +128,35 @@ class ExpertOutputs(StageOutputs):
                 self._record(output, channel)
         return on_output
 
+    def encode(self, differs: Sequence[bool]) -> int:
+        """A comparison's mark: 1 + the first channel that differed, 0 when none did (only the first is used, and
+        it fits an int64 at any number of layers)."""
+        return next((k + 1 for k, d in enumerate(differs) if d), 0)
+
+    @staticmethod
+    def merge(a: int, b: int) -> int:
+        """A position's marks of two comparisons: the earlier first difference."""
+        return min(a, b) if a and b else a or b
+
+    def sent_differs(self, mark: int) -> bool:
+        return False
+
     def narrow(self, suspects: tuple[int, ...], marks: dict[int, int], mode: str
-               ) -> tuple[tuple[int, ...], tuple[int, str] | None]:
-        """The suspects whose record differs first, in forward order, with (MoE layer, ``tokens_sent`` or
-        ``expert_output``). Each record depends only on this rank's own computation since the records before it and
-        on tokens the all-to-alls moved, so where every earlier record matched on every rank, the first that differs
-        was computed wrongly by its rank. Nothing narrowed where the first to differ is a received one (which rank
-        sent it is not known), where every suspect's record differs (the replica as a whole), or where none does."""
-        for channel in range(self.parts):
-            differ = tuple(p for p in suspects if marks[p] >> channel & 1)
-            if differ:
-                if len(differ) == len(suspects) or channel % 3 == 1:
-                    return suspects, None
-                return differ, (channel // 3, "tokens_sent" if channel % 3 == 0 else "expert_output")
-        return suspects, None
+               ) -> tuple[tuple[int, ...], tuple[str, str] | None]:
+        """Exact mode: the suspects whose record differs first, in forward order, with (the experts' module name,
+        ``tokens_sent`` or ``expert_output``). Tokens sent depend only on the rank's own computation since the
+        results of the layer before came back, and an expert output on the tokens received, so where every earlier
+        record matched on every rank, the first to differ of these two kinds was computed wrongly by its rank.
+        Nothing narrowed where the first to differ is a received one (tokens received, results come back: the
+        sender, the link or the combine cannot be told apart), where every suspect's record differs (the replica as
+        a whole), where none does, or in tolerance mode (a record's noise over the threshold would name its rank)."""
+        if mode != "exact":
+            return suspects, None
+        first = {p: marks[p] - 1 for p in suspects if marks[p] > 0}
+        if not first:
+            return suspects, None
+        channel = min(first.values())
+        differ = tuple(p for p in suspects if first.get(p) == channel)
+        if channel % 4 in (1, 3) or len(differ) == len(suspects):
+            return suspects, None
+        return differ, (self.names[channel // 4], "tokens_sent" if channel % 4 == 0 else "expert_output")

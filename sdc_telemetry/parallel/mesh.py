@@ -162,8 +162,8 @@ class MeshLayout(FSDP):
         self.shard_of = list(self.coordinates.key_of)
         self.world_mesh = root
         self.name = " x ".join([d for d in DIMS if sizes.get(d, 1) > 1] + (["ep"] if ep > 1 else [])) or "nd"
-        self._outputs = ExpertOutputs(self.experts.modules, self.experts.parents, self.world) \
-            if self.experts is not None else None
+        self._outputs = None if self.experts is None else \
+            ExpertOutputs(self.experts.modules, self.experts.parents, self.experts.names, self.world)
 
     @property
     def replicas(self) -> bool:

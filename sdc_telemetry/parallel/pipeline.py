@@ -224,6 +224,22 @@ class StageOutputs:
             else:
                 self._rows, self._norms, self._local = paused
 
+    def encode(self, differs: Sequence[bool]) -> int:
+        """A comparison's mark from which channels differed: a bit per channel (-1, not compared, past 62 of
+        them: the mark travels as an int64)."""
+        if len(differs) > 62:
+            return -1
+        return sum(1 << k for k, d in enumerate(differs) if d)
+
+    @staticmethod
+    def merge(a: int, b: int) -> int:
+        """A position's marks of two comparisons, as one: a channel differed if it did in either."""
+        return a | b
+
+    def sent_differs(self, mark: int) -> bool:
+        """Some local stage sent a differing gradient back."""
+        return mark > 0 and bool(mark >> self.parts)
+
     def start(self) -> None:
         """Start recording (a recording in progress is dropped)."""
         self.finish()

@@ -74,21 +74,24 @@ def test_a_fault_in_one_ranks_experts_is_named_on_that_rank(ep: dict[str, Any]) 
     experts' output differs, every rank's tokens matched)."""
     [incident] = _same(ep["expert"])
     assert incident[:4] == (0, "replay", [3], "transient"), incident
-    assert incident[4] == {"dp_replicate": 0, "dp_shard": 3, "ep": 1} and incident[5] == 0 and not incident[6]
+    assert incident[4] == {"dp_replicate": 0, "dp_shard": 3, "ep": 1} and not incident[6]
+    assert incident[5] == "m1.routed.experts"
 
 
 def test_a_persistent_expert_fault_with_two_replicas_is_narrowed_to_its_slot(ep: dict[str, Any]) -> None:
     """Persistent, with two replicas: each reproduces itself, so which replica is wrong stays ambiguous, but the
     first MoE layer's records narrow it to the same expert slot of both (ranks 1 and 3), not all four ranks."""
     [incident] = _same(ep["expert_persistent"])
-    assert incident[:4] == (0, "replay", [1, 3], "persistent") and incident[5] == 0 and incident[6], incident
+    assert incident[:4] == (0, "replay", [1, 3], "persistent") and incident[5] == "m1.routed.experts", incident
+    assert incident[6]
 
 
 def test_a_dense_fault_is_named_at_the_tokens_its_rank_sends(ep: dict[str, Any]) -> None:
     """Rank 2's second layer norm computes wrongly: the tokens it sends to the second MoE layer's experts differ
     first, so rank 2 is named, not the rank whose experts received them."""
     [incident] = _same(ep["dense"])
-    assert incident[:4] == (0, "replay", [2], "transient") and incident[5] == 1 and not incident[6], incident
+    assert incident[:4] == (0, "replay", [2], "transient") and incident[5] == "m2.routed.experts", incident
+    assert not incident[6]
 
 
 def test_expert_weights_checked_without_and_with_replicas(ep: dict[str, Any]) -> None:
@@ -123,7 +126,8 @@ def test_experts_in_a_second_parameter_group_of_their_block(ep: dict[str, Any]) 
     efsdp mesh: two parameter groups in one FSDP module, each tapped and recomputed on its own. The audit of step 0
     passes; rank 1's experts computing wrongly at step 2 are named at the second MoE layer."""
     [incident] = _same(ep["one_module"])
-    assert incident[:4] == (2, "replay", [1], "transient") and incident[5] == 1 and not incident[6], incident
+    assert incident[:4] == (2, "replay", [1], "transient") and incident[5] == "m2.routed.experts", incident
+    assert not incident[6]
     for r in ep["one_module"]:
         assert r["errors"] == [] and r["counts"]["replay"] == {"pass": 1, "fail": 1}, r["counts"]
         assert r["counts"]["grad_local"] == {"pass": 4}, r["counts"]

@@ -308,6 +308,10 @@ class _Stages:
         self.stages_of = [s if isinstance(s, list) else [s] for s in stage_of]
         self.parts = len(self.stages_of[0])
 
+    from sdc_telemetry.parallel.pipeline import StageOutputs as _Real
+
+    encode, merge, sent_differs = _Real.encode, staticmethod(_Real.merge), _Real.sent_differs  # how marks are made
+
 
 def _stage_rule(stage_of: list[int] | list[list[int]], marks: dict[tuple[int, int], int], suspects: tuple[int, ...],
                 why: dict[str, object] | None = None, rerun: dict[int, int] | None = None, mode: str = "exact"

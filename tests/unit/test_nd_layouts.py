@@ -127,19 +127,26 @@ def test_one_rank_shard_group_reads_the_input_at_the_second_allocation() -> None
 
 
 def test_expert_records_name_the_first_that_differs() -> None:
-    """Expert parallelism's rule: three records per MoE layer in forward order (the tokens about to be sent, the
-    tokens the experts received, their output); the first that differs on some but not all suspects names those,
-    unless it is a received one (the sender is not known); every suspect differing there, or none, narrows nothing."""
+    """Expert parallelism's rule: four records per MoE layer in forward order (tokens about to be sent, tokens
+    received, the experts' output, the results come back), a mark per position the first that differed (+ 1); the
+    first that differs on some but not all suspects names those, unless it is a received one (tokens or results:
+    the sender is not known); every suspect differing there, none, or tolerance mode narrows nothing. Marks fit an
+    int64 at any number of layers."""
     from sdc_telemetry.parallel.experts import ExpertOutputs
 
-    rule = ExpertOutputs.__new__(ExpertOutputs)  # the rule reads ``parts`` only
-    rule.parts = 6  # two MoE layers
+    rule = ExpertOutputs.__new__(ExpertOutputs)  # the rule reads ``parts`` and ``names`` only
+    rule.parts, rule.names = 8, ["m1.experts", "m2.experts"]
+    first = rule.encode
+    assert first([False, False, True, True]) == 3 and first([False] * 8) == 0 and first([False] * 99 + [True]) == 100
+    assert rule.merge(0, 5) == 5 and rule.merge(7, 3) == 3
     # rank 3's experts in layer 0 (channel 2), then everything downstream: rank 3
-    assert rule.narrow((2, 3), {2: 0b111000, 3: 0b111100}, "exact") == ((3,), (0, "expert_output"))
-    # rank 2's tokens about to be sent to layer 1 (channel 3): rank 2, not the rank whose experts received them
-    assert rule.narrow((2, 3), {2: 0b111000, 3: 0b110000}, "exact") == ((2,), (1, "tokens_sent"))
-    # received tokens differ first: who sent them is not known
-    assert rule.narrow((2, 3), {2: 0b111110, 3: 0b111100}, "exact") == ((2, 3), None)
-    # both differ at their first record, or no record differs: the suspects as they were
-    assert rule.narrow((2, 3), {2: 0b000011, 3: 0b000001}, "exact") == ((2, 3), None)
+    assert rule.narrow((2, 3), {2: 4, 3: 3}, "exact") == ((3,), ("m1.experts", "expert_output"))
+    # rank 2's tokens about to be sent to layer 1 (channel 4): rank 2, not the rank whose experts received them
+    assert rule.narrow((2, 3), {2: 5, 3: 6}, "exact") == ((2,), ("m2.experts", "tokens_sent"))
+    # tokens received or results come back differ first: who sent them is not known
+    assert rule.narrow((2, 3), {2: 2, 3: 3}, "exact") == ((2, 3), None)
+    assert rule.narrow((2, 3), {2: 4, 3: 5}, "exact") == ((2, 3), None)
+    # both differ at their first record, none differs, or tolerance mode: the suspects as they were
+    assert rule.narrow((2, 3), {2: 1, 3: 1}, "exact") == ((2, 3), None)
     assert rule.narrow((2, 3), {2: 0, 3: 0}, "exact") == ((2, 3), None)
+    assert rule.narrow((2, 3), {2: 4, 3: 3}, "tolerance") == ((2, 3), None)
