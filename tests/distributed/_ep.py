@@ -88,10 +88,14 @@ class MoE(nn.Module):
         self.norm = nn.LayerNorm(DIM)
         self.router = nn.Linear(DIM, EXPERTS, bias=False)
         self.routed = RoutedExperts()
+        self.starved: int | None = None  # an expert the router never picks (it receives no token on any rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = self.norm(x).reshape(-1, DIM)
-        gate, idx = torch.softmax(self.router(flat), dim=-1).max(dim=-1)
+        logits = self.router(flat)
+        if self.starved is not None:
+            logits = logits.index_fill(1, torch.tensor([self.starved]), -1e4)
+        gate, idx = torch.softmax(logits, dim=-1).max(dim=-1)
         order = torch.argsort(idx, stable=True)
         out = self.routed(flat[order], torch.bincount(idx, minlength=EXPERTS))
         out = out[torch.argsort(order)] * gate[:, None]
@@ -158,6 +162,8 @@ def build(replicate: int, shard: int, ep: int, one_module: bool = False) -> tupl
 
 def run_one(rank: int, replicate: int, shard: int, ep: int, sc: dict[str, Any]) -> dict[str, Any]:
     model, mesh = build(replicate, shard, ep, sc.get("one_module", False))
+    if sc.get("starve") is not None:
+        model.m1.starved = model.m2.starved = sc["starve"]  # type: ignore[assignment]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     faults = FaultInjector(model, opt)
     if sc.get("corrupt_update"):

@@ -37,6 +37,8 @@ SCENARIOS = {
     "one_module": {"config": {"replay_every": 2}, "steps": 4, "one_module": True,
                    "perturb": {"rank": 1, "step": 2, "module": "m2.routed.experts", "relative": 1e-3, "first": True,
                                "transient": True}},
+    # expert 3 (rank 1's and rank 3's second local expert) never receives a token
+    "starved": {"config": {"replay_every": 2}, "steps": 4, "starve": 3},
     # dp_replicate 2 x dp_shard 2 with ep 2: the experts are replicated, one rank's shard each (efsdp 1)
     "replicated": {"config": {"replay_every": 2}, "steps": 6, "shape": (2, 2, 2)},
     "replicated_flip": {"config": {"replay_every": 0}, "steps": 4, "shape": (2, 2, 2),
@@ -131,3 +133,11 @@ def test_experts_in_a_second_parameter_group_of_their_block(ep: dict[str, Any]) 
     for r in ep["one_module"]:
         assert r["errors"] == [] and r["counts"]["replay"] == {"pass": 1, "fail": 1}, r["counts"]
         assert r["counts"]["grad_local"] == {"pass": 4}, r["counts"]
+
+
+def test_an_expert_that_receives_no_token_passes(ep: dict[str, Any]) -> None:
+    """Expert 3 never receives a token (its slice of the experts' weights gets a zero gradient, as torchtitan's
+    grouped experts give it): every check passes, the replay audits included, on every rank."""
+    for r in ep["starved"]:
+        assert r["incidents"] == [] and r["errors"] == []
+        assert r["counts"]["replay"] == {"pass": 2} and r["counts"]["grad_local"] == {"pass": 4}, r["counts"]
