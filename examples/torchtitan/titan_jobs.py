@@ -21,18 +21,24 @@ from torchtitan.trainer import Trainer
 def llama3_cpu_debugmodel() -> Trainer.Config:
     """llama3's debug model (6 layers, dim 256, vocab 2048) at sequence length 128, 4 samples a rank, float32, SDPA
     attention, no activation checkpointing, checkpointing, validation or CUDA graphs; offline tokenizer and data."""
-    config = cpu_workarounds.use_sdpa(llama3_debugmodel())
+    config = _on_cpu(cpu_workarounds.use_sdpa(llama3_debugmodel()))
+    config.training.steps = 8
+    config.parallelism.pipeline_parallel_schedule = "1F1B"
+    config.parallelism.pipeline_parallel_microbatch_size = 2
+    return config
+
+
+def _on_cpu(config: Trainer.Config) -> Trainer.Config:
+    """The settings every CPU job shares: offline tokenizer and data, 4 samples of 128 tokens a rank, float32, no
+    activation checkpointing, checkpointing, validation or CUDA graphs, seed 0."""
     config.hf_assets_path = os.environ.get("SDC_TITAN_ASSETS") or cpu_workarounds.apply()
     config.dump_folder = os.environ.get("SDC_TITAN_DUMP", "./outputs")
     config.dataloader = HuggingFaceTextDataLoader.Config(dataset="sdc_synthetic")
     config.training.local_batch_size = 4
     config.training.seq_len = 128
-    config.training.steps = 8
     config.training.disable_cuda_graphs = True
     config.training.mixed_precision_param = "float32"
     config.parallelism.spmd_backend = "partial_dtensor"  # the spmd_types default fails in fully_shard on torch 2.13
-    config.parallelism.pipeline_parallel_schedule = "1F1B"
-    config.parallelism.pipeline_parallel_microbatch_size = 2
     config.activation_checkpoint = None  # type: ignore[assignment]
     config.checkpoint.enable = False
     config.validator.enable = False
@@ -50,7 +56,11 @@ def llama3_cpu_debugmodel_sdc() -> SDCTrainer.Config:
     pipeline stage then reduce-scatters lm_head's and norm's gradients again outside their FSDP group's one
     reduction; the monitor reads that as a repeated reduction (grad_local skipped on the last stage, replay skipped
     everywhere). Same model, same numbers per token."""
-    base = llama3_cpu_debugmodel()
+    return _monitored(llama3_cpu_debugmodel())
+
+
+def _monitored(base: Trainer.Config) -> SDCTrainer.Config:
+    """``base`` as an SDCTrainer job, torchtitan's plain ``CrossEntropyLoss`` (``llama3_cpu_debugmodel_sdc``)."""
     base.loss = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(base.model_spec))
     return SDCTrainer.Config(**{f.name: getattr(base, f.name) for f in fields(base) if f.init},
                              sdc=SDCSettings())
@@ -58,34 +68,17 @@ def llama3_cpu_debugmodel_sdc() -> SDCTrainer.Config:
 
 def deepseek_v3_cpu_moe_debugmodel() -> Trainer.Config:
     """deepseek_v3's debug model (MoE: 6 layers, 1 dense, 8 routed experts top-3 + 2 shared, dim 256, expert hidden
-    256, vocab 2048) on CPU gloo ranks, set up like ``llama3_cpu_debugmodel``: sequence length 128, 4 samples a rank,
-    float32, SDPA attention, no activation checkpointing, checkpointing, validation or CUDA graphs; offline tokenizer
-    and data. Expert parallelism from the command line (``--parallelism.expert_parallel_degree 2``)."""
+    256, vocab 2048) with the CPU settings of ``llama3_cpu_debugmodel``, 4 steps. Expert parallelism from the command
+    line (``--parallelism.expert_parallel_degree 2``)."""
     from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
 
-    config = cpu_workarounds.use_sdpa(deepseek_v3_debugmodel())
-    config.hf_assets_path = os.environ.get("SDC_TITAN_ASSETS") or cpu_workarounds.apply()
-    config.dump_folder = os.environ.get("SDC_TITAN_DUMP", "./outputs")
-    config.dataloader = HuggingFaceTextDataLoader.Config(dataset="sdc_synthetic")
-    config.training.local_batch_size = 4
-    config.training.seq_len = 128
+    config = _on_cpu(cpu_workarounds.use_sdpa(deepseek_v3_debugmodel()))
     config.training.steps = 4
-    config.training.disable_cuda_graphs = True
-    config.training.mixed_precision_param = "float32"
-    config.parallelism.spmd_backend = "partial_dtensor"
-    config.activation_checkpoint = None  # type: ignore[assignment]
-    config.checkpoint.enable = False
-    config.validator.enable = False
-    config.debug.seed = 0
-    config.debug.enable_structured_logging = False
     return config
 
 
 def deepseek_v3_cpu_moe_debugmodel_sdc() -> SDCTrainer.Config:
     """The MoE job with an SDCMonitor in the training step (plain ``CrossEntropyLoss``, as
     ``llama3_cpu_debugmodel_sdc`` explains)."""
-    base = deepseek_v3_cpu_moe_debugmodel()
-    base.loss = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(base.model_spec))
-    return SDCTrainer.Config(**{f.name: getattr(base, f.name) for f in fields(base) if f.init},
-                             sdc=SDCSettings())
+    return _monitored(deepseek_v3_cpu_moe_debugmodel())
 
