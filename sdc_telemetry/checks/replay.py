@@ -120,7 +120,7 @@ class ReplayCheck:
         self._margins: dict[tuple[int, int], float] = {}  # mismatching (replayer, origin) -> delta / threshold
         self._rerun_margins: dict[int, float] = {}  # positions that did not reproduce themselves -> delta / threshold
         self._pending: tuple[frozenset[int], int] | None = None  # a narrow persistent finding waiting for a repeat
-        # Pipelines: each stage's forward outputs on scheduled audits (``parallel.pipeline.StageOutputs``), compared
+        # Pipelines: each stage's forward outputs on scheduled audits (``parallel.outputs.StageOutputs``), compared
         # with the origin's to name the stage that computed wrongly; per mismatching pair and per position that did
         # not reproduce itself, which of its stages' outputs differed (a bit per local stage: 1 differed, 0 all
         # matched) or -1 when they were not compared.

@@ -183,7 +183,7 @@ class Layout:
         raise NotImplementedError(f"the {self.name} layout does not recompute in lockstep")
 
     def stage_outputs(self) -> Any:
-        """Pipeline layouts: the recorder of this rank's stage outputs (``parallel.pipeline.StageOutputs``), with
+        """Pipeline layouts: the recorder of this rank's stage outputs (``parallel.outputs.StageOutputs``), with
         which the replay names the first stage whose output differs; None elsewhere."""
         return None
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from sdc_telemetry.parallel.base import LayoutError
-from sdc_telemetry.parallel.pipeline import StageOutputs
+from sdc_telemetry.parallel.outputs import StageOutputs
 
 __all__ = ["ExpertLayout", "expert_layout", "ExpertOutputs"]
 

@@ -302,13 +302,13 @@ def test_replay_partners_share_a_numerics_class() -> None:
 
 
 class _Stages:
-    """The part of parallel.pipeline.StageOutputs the replay's stage rule reads."""
+    """The part of parallel.outputs.StageOutputs the replay's stage rule reads."""
 
     def __init__(self, stage_of: list[int] | list[list[int]]) -> None:
         self.stages_of = [s if isinstance(s, list) else [s] for s in stage_of]
         self.parts = len(self.stages_of[0])
 
-    from sdc_telemetry.parallel.pipeline import StageOutputs as _Real
+    from sdc_telemetry.parallel.outputs import StageOutputs as _Real
 
     encode, merge, sent_differs = _Real.encode, staticmethod(_Real.merge), _Real.sent_differs  # how marks are made
 
