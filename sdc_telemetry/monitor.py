@@ -155,7 +155,7 @@ class SDCMonitor:
         # Every parameter, frozen ones included (LoRA-style fine-tuning freezes most weights; they must still agree),
         # each read as this rank holds it, among the ranks that hold the same tensor.
         every = list(self.module.named_parameters())
-        voted_state = optimizer if update_check.unsupported(optimizer) is None else None
+        voted_state = optimizer if update_check.unsupported(optimizer) is None and layout.optimizer_replicas else None
         self._weights = WeightsCheck(every, layout.group, self._ranks, layout.weight_classes(classes),
                                      local=layout.local, optimizer=voted_state) if layout.weight_replicas else None
         # Sharded replicas compare their digests within each shard's replica group first, so that the step's
@@ -166,9 +166,11 @@ class SDCMonitor:
                               "of a shard's replicas (Layout.digest_group) to compare their weights in")
         # Each rank's own tensors between the update and the weight check: where no replica holds them, and to
         # referee two replicas (checks/at_rest.py).
-        self._at_rest = AtRestCheck([n for n, _ in every], [p for _, p in every], optimizer, layout.local) \
-            if self.config.weights_every else None
-        self._update = self._plan_update_audit(optimizer, every, classes)
+        updated, own = layout.updated(every, optimizer)
+        read = layout.local if own else _as_held
+        self._at_rest = AtRestCheck([n for n, _ in updated], [p for _, p in updated], optimizer, read,
+                                    table_rows=own) if self.config.weights_every else None
+        self._update = self._plan_update_audit(optimizer, updated, classes, read)
         reason = layout.weights_off_reason()
         if replicas and reason and self.config.weights_every and self._writer:
             log.warning("sdc_telemetry: %s; the at-rest check still compares each rank's own shards between the "
@@ -192,7 +194,7 @@ class SDCMonitor:
         self._triggered = TriggeredAudits(self._replay, self.rank, lambda key, text: self._warn_once(
             key, "sdc_telemetry: %s", text)) if triggers and self._replay is not None else None
         self._loss: torch.Tensor | None = None  # the step's loss (sum over micro-batches of loss * scale), on device
-        self._grad = grad_check.GradCheck(self._ranks, self.rank, self._names, layout.reduces, layout.shard_of,
+        self._grad = grad_check.GradCheck(self._ranks, self.rank, self._names, layout.reduces, layout.reduced_shards,
                                           gather=lambda row: layout.gather_rows(row, self.device),
                                           gather_objects=layout.gather_objects)
         self._measurer = StepMeasurer(layout, self.config, self._params, self.device, self._record, self._weights,
@@ -219,6 +221,8 @@ class SDCMonitor:
         self._scaler_used = False
         self._pipelined_step: int | None = None
         self._ended_since_update = True
+        self._param_groups = len(optimizer.param_groups)
+        self._updated_at: int | None = None
         self._last_passing_audit: int | None = None
         self._warned: set[str] = set()
         self._closed = False
@@ -673,8 +677,7 @@ class SDCMonitor:
         if findings:
             reason = "another check found a fault this step (replay compares healthy replicas only)"
         elif high[S.REPEATED]:
-            reason = ("a gradient bucket was all-reduced more than once in the step: with gradient accumulation, "
-                      "run all but the last micro-batch under ddp_model.no_sync()")
+            reason = self.layout.repeats_why
         elif not low[S.REPLAYABLE]:
             reason = "not every rank captured the step (use `with monitor.step(batch)` or step.micro_batch())"
         elif not low[S.LOCAL_MEASURED] or high[S.ERROR]:
@@ -757,7 +760,11 @@ class SDCMonitor:
     def _after_update(self, *_: Any) -> None:
         """Optimizer post-step hook: the at-rest reference when the next step checks the weights; says once if
         steps run outside ``monitor.step()`` (no checks ran for them)."""
-        if not self._ended_since_update:
+        # A ZeRO optimizer steps its torch optimizer one parameter group at a time (the others hidden from it): the
+        # calls of one update after the first are not steps run outside a block.
+        partial = len(self.optimizer.param_groups) < self._param_groups and self._updated_at == self._step
+        self._updated_at = self._step
+        if not self._ended_since_update and not partial:
             self._warn_once("no-step", "sdc_telemetry: optimizer.step() ran without a `with monitor.step(...)` "
                             "block since the last update: no check runs for such steps")
         self._ended_since_update = False
@@ -787,14 +794,16 @@ class SDCMonitor:
             self._update.pending = None
             self._internal_error("update", "copying the audited slice before the update failed")
 
-    def _plan_update_audit(self, optimizer: torch.optim.Optimizer, every: list[tuple[str, torch.nn.Parameter]],
-                           classes: list[int] | None) -> UpdateAudit | None:
+    def _plan_update_audit(self, optimizer: torch.optim.Optimizer, every: list[tuple[str, torch.Tensor]],
+                           classes: list[int] | None, read: Callable[[torch.Tensor], torch.Tensor]
+                           ) -> UpdateAudit | None:
         """The update audit, where it is asked for (``update_every``) or useful (``"auto"``: the vote cannot name
         a rank) and the optimizer's step can be recomputed."""
         n = self.config.update_every
         reason = update_check.unsupported(optimizer)
         layout = self.layout
-        holders = self._world // max(layout.digest_keys, 1) if layout.weight_replicas else 1
+        holders = self._world // max(layout.digest_keys, 1) \
+            if layout.weight_replicas and layout.optimizer_replicas else 1
         if n == "auto":
             n = self.config.replay_every if reason is None and self._world > 1 and holders <= 2 else 0
         elif n and reason is not None:
@@ -815,7 +824,7 @@ class SDCMonitor:
         self._update_origin_of = [pairing.origin(q, pairing.shifts[0]) for q in range(len(self._ranks))]
         self._update_wire = collective_device(layout.group, self.device)
         largest = max(p.numel() * p.element_size() for _, p in every)
-        return UpdateAudit([name for name, _ in every], [p for _, p in every], optimizer, layout.local, n,
+        return UpdateAudit([name for name, _ in every], [p for _, p in every], optimizer, read, n,
                            slice_bytes=2 * largest)
 
     def weights_changed(self) -> None:
@@ -859,11 +868,20 @@ class SDCMonitor:
         self.sinks.internal_error(component)
 
 
+def _as_held(t: torch.Tensor) -> torch.Tensor:
+    """A tensor the optimizer updates as this rank holds it (a ZeRO optimizer's own partition)."""
+    return t
+
+
 def _unwrapped(optimizer: Any) -> Any:
     """The torch optimizer inside a framework's wrapper that subclasses ``Optimizer`` without its set-up (Accelerate's
-    ``AcceleratedOptimizer``: its ``step()`` calls the inner optimizer's, whose hooks the monitor registers)."""
+    ``AcceleratedOptimizer``: its ``step()`` calls the inner optimizer's, whose hooks the monitor registers), or inside
+    DeepSpeed's ZeRO optimizer (no ``Optimizer`` at all)."""
     inner = getattr(optimizer, "optimizer", None)
     if isinstance(optimizer, torch.optim.Optimizer) and isinstance(inner, torch.optim.Optimizer) \
             and "_optimizer_step_post_hooks" not in vars(optimizer):
         return inner
+    if not isinstance(optimizer, torch.optim.Optimizer) and isinstance(inner, torch.optim.Optimizer) \
+            and type(optimizer).__module__.startswith("deepspeed."):
+        return inner  # a ZeRO optimizer: the torch optimizer inside updates this rank's partitions
     return optimizer

@@ -54,8 +54,8 @@ class AtRestCheck:
     ``names``/``params``: the module's parameters in the weight check's order (its table's rows); ``optimizer``: the
     optimizer whose step is the only thing that may change them; ``local``: this rank's share of a tensor."""
 
-    def __init__(self, names: Sequence[str], params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
-                 local: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, names: Sequence[str], params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
+                 local: Callable[[torch.Tensor], torch.Tensor], *, table_rows: bool = True) -> None:
         self._names = list(names)
         self._params = list(params)
         self._row = {id(p): i for i, p in enumerate(self._params)}
@@ -64,22 +64,36 @@ class AtRestCheck:
         self._device = self._params[0].device
         self._reference: tuple[tuple[str, ...], torch.Tensor, torch.Tensor | None, int] | None = None
         self._rows: torch.Tensor | None = None  # the tracked parameters' rows in the weight check's table
+        # ``params`` are the weight check's table rows (the module's parameters); False: the optimizer's own copies
+        # (a ZeRO optimizer's fp32 partitions), read here and never taken from the table.
+        self._table_rows = table_rows
+        self._stepped: list[int] = []  # the rows of the reference
 
     def _tracked(self) -> tuple[list[int], list[tuple[str, torch.Tensor]]]:
         """The table rows of the parameters the optimizer updates, and their optimizer state tensors (labelled
         ``name [key]``), in a fixed order."""
         rows = sorted({self._row[id(p)] for g in self._optimizer.param_groups for p in g["params"]
                        if id(p) in self._row})
+        return rows, self._state(rows)
+
+    def _state(self, rows: Sequence[int]) -> list[tuple[str, torch.Tensor]]:
         state = []
         for r in rows:
             values = self._optimizer.state.get(self._params[r], {})
             state += [(label, self._local(values[key])) for label, key in state_rows(self._names[r], values)]
-        return rows, state
+        return state
 
     def after_update(self, step: int) -> None:
-        """The reference: fingerprints of the tracked parameters and their state, right after the update."""
+        """The reference: fingerprints of the tracked parameters and their state, right after the update. Called
+        again in the same step while the optimizer shows only some of its parameter groups (a ZeRO optimizer steps
+        them one at a time), the reference covers every group stepped so far."""
+        earlier = self._stepped if self._reference is not None and self._reference[3] == step else []
         self._reference = None
         rows, state = self._tracked()
+        if earlier:
+            rows = sorted(set(rows) | set(earlier))
+            state = self._state(rows)
+        self._stepped = rows
         if not rows:
             return
         params = fingerprint([self._local(self._params[r]) for r in rows])
@@ -106,6 +120,8 @@ class AtRestCheck:
             self._reference = None  # the optimizer's parameters or state changed shape: nothing comparable
             return torch.zeros((), dtype=torch.int64, device=self._device), None
         assert self._rows is not None
+        if not self._table_rows:
+            table = None
         now_params = table.index_select(0, self._rows.to(table.device)) if table is not None \
             else fingerprint([self._local(self._params[r]) for r in rows])
         parts_ref, parts_now = [ref_params], [now_params]

@@ -155,16 +155,13 @@ def _index_tensor(key: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return idx
 
 
-def reduced_norms(params: Sequence[torch.nn.Parameter], device: torch.device,
-                  view: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """Per-parameter norms of the reduced gradients (0 where a parameter has no gradient); ``view``: the layout's
-    in-place reading of a gradient (this rank's shard of a DTensor; never a collective)."""
-    out = torch.zeros(len(params), dtype=torch.float32, device=device)
-    with_grad = [(i, view(p.grad) if view is not None else p.grad) for i, p in enumerate(params)
-                 if p.grad is not None]
-    if with_grad:
-        idx = _index_tensor(tuple(i for i, _ in with_grad), device)
-        grads = [g for _, g in with_grad]
+def reduced_norms(count: int, held: Sequence[tuple[int, torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """Per-parameter norms of the reduced gradients (``count`` parameters; 0 where this rank holds none): ``held``,
+    the layout's (index, reduced gradient as this rank holds it) pairs (``Layout.reduced``)."""
+    out = torch.zeros(count, dtype=torch.float32, device=device)
+    if held:
+        idx = _index_tensor(tuple(i for i, _ in held), device)
+        grads = [g for _, g in held]
         out.index_copy_(0, idx, torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).to(device))
     return out
 

@@ -219,7 +219,7 @@ class UpdateAudit:
     """This rank's side of the update audit: the slices, the snapshot around the update, the exchange and the
     comparison. ``local``: this rank's share of a tensor; ``slice_bytes``: the most host bytes one slice holds."""
 
-    def __init__(self, names: Sequence[str], params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+    def __init__(self, names: Sequence[str], params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
                  local: Callable[[torch.Tensor], torch.Tensor], every: int, slice_bytes: int) -> None:
         self._names = list(names)
         self._params = list(params)
@@ -228,6 +228,7 @@ class UpdateAudit:
         self.every = every
         self._slice_bytes = slice_bytes
         self._cursor = 0               # where the next slice starts (rotates through the parameters)
+        self._groups = len(optimizer.param_groups)
         self.pending: Slice | None = None
         self._chosen: list[int] = []  # the pending slice's parameter indices
         self.errors: list[str] = []    # the last audit's errors, every rank's (gathered)
@@ -247,7 +248,11 @@ class UpdateAudit:
                  and self._params[i].grad is not None]
         if not order:
             return []
-        start = next((k for k, i in enumerate(order) if i >= self._cursor), 0)
+        start = next((k for k, i in enumerate(order) if i >= self._cursor), None)
+        if start is None:
+            if len(self._optimizer.param_groups) < self._groups:
+                return []  # a ZeRO optimizer steps one group at a time: the cursor's group comes later
+            start = 0
         chosen: list[int] = []
         used = 0
         for k in range(len(order)):

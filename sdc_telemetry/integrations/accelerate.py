@@ -36,17 +36,15 @@ on every rank at the same step.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from sdc_telemetry.core.config import SDCConfig
-from sdc_telemetry.core.incident import Incident
+from sdc_telemetry.integrations._backward import WrappedBackward
 from sdc_telemetry.monitor import SDCMonitor
 from sdc_telemetry.sinks.observer import Observer
-from sdc_telemetry.step import StepContext
 
 __all__ = ["SDCAccelerate"]
 
@@ -60,7 +58,7 @@ _REFUSED = {
 }
 
 
-class SDCAccelerate:
+class SDCAccelerate(WrappedBackward):
     """Silent-data-corruption checks for a training loop on an ``accelerate.Accelerator``.
 
     ``accelerator``: the Accelerator that prepared ``model`` and ``optimizer``; ``model``: the prepared model (the
@@ -70,6 +68,9 @@ class SDCAccelerate:
     ``monitor`` is the ``SDCMonitor`` (its ``incidents`` stay readable after ``close()``); ``sdc.exit_on_sdc(run)``
     reads it.
     """
+
+    call = "accelerator.backward()"
+    marker = "__sdc_accelerate__"
 
     def __init__(self, accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  loss_fn: LossFn, config: SDCConfig | None = None, start_step: int = 0,
@@ -87,87 +88,23 @@ class SDCAccelerate:
         if kind == "FSDP" and not getattr(accelerator, "is_fsdp2", False):
             raise ValueError("SDCAccelerate supports Accelerate's FSDP plugin with fsdp_version=2 (fully_shard), "
                              "not FSDP1")
-        if getattr(backward, "__sdc_accelerate__", None) is not None:
-            raise ValueError("this accelerator already has an SDCAccelerate attached: close() it first")
         self.accelerator = accelerator
-        self.monitor = SDCMonitor(model, optimizer, loss_fn=loss_fn, config=config, start_step=start_step,
-                                  observer=observer)
-        self._step: StepContext | None = None   # the open step, from its first micro-batch to the synchronising one
-        self._last: StepContext | None = None   # the last step that ended
-        self._backward = backward
+        monitor = SDCMonitor(model, optimizer, loss_fn=loss_fn, config=config, start_step=start_step,
+                             observer=observer)
         try:
             if skip_nonfinite:
-                self.monitor.skip_nonfinite_updates()
-            self._own_backward = "backward" in vars(accelerator)
-            wrapped = self._wrap(backward)
-            accelerator.backward = wrapped
+                monitor.skip_nonfinite_updates()
         except BaseException:
-            self.monitor.close()
+            monitor.close()
             raise
+        super().__init__(accelerator, monitor)
 
-    def _wrap(self, backward: Callable[..., Any]) -> Callable[..., Any]:
-        def sdc_backward(loss: torch.Tensor, **kwargs: Any) -> Any:
-            if self.monitor.closed:
-                return backward(loss, **kwargs)
-            step = self._step
-            if step is None:
-                raise RuntimeError("accelerator.backward() ran with no micro-batch registered: call "
-                                   "run.micro_batch(batch) (SDCAccelerate) before each micro-batch's forward pass")
-            accelerator = self.accelerator
-            # What Accelerate's backward does to the loss: divide by the accumulation steps, then its scaler.
-            step.record_loss(loss, scale=1.0 / accelerator.gradient_accumulation_steps, scaler=accelerator.scaler)
-            try:
-                out = backward(loss, **kwargs)
-            except BaseException as e:
-                self._step = None
-                step.__exit__(type(e), e, e.__traceback__)  # abandoned on this rank; the next micro-batch reopens
-                raise
-            if accelerator.sync_gradients:  # the gradients are reduced: the step's checks, before the update
-                self._step = None
-                self._last = step
-                step.end()
-            return out
+    def _scale(self, kwargs: dict[str, Any]) -> tuple[float, Any]:
+        """What Accelerate's backward does to the loss: divide by the accumulation steps, then its scaler."""
+        return 1.0 / self.accelerator.gradient_accumulation_steps, self.accelerator.scaler
 
-        sdc_backward.__sdc_accelerate__ = self  # type: ignore[attr-defined]
-        return sdc_backward
-
-    def micro_batch(self, batch: Any) -> None:
-        """Register the next micro-batch (call before its forward pass, inside ``accelerator.accumulate``): opens the
-        monitor's step on the first micro-batch of an optimizer step. Does nothing once the monitor is closed."""
-        if self.monitor.closed:
-            return
-        if self._step is None:
-            self._step = self.monitor.step().begin()
-        self._step.micro_batch(batch)
-
-    @property
-    def finite(self) -> bool:
-        """The last completed step's gradients were finite on every rank (the same answer everywhere)."""
-        if self._last is None:
-            raise RuntimeError("no step has ended yet: read run.finite after the synchronising accelerator.backward()")
-        return self._last.finite
-
-    @property
-    def incidents(self) -> list[Incident]:
-        return self.monitor.incidents
-
-    def close(self) -> None:
-        """Give ``accelerator.backward`` back and close the monitor. Idempotent. A step still open (the loop ended
-        inside an accumulation window, the same on every rank) is discarded unchecked; on an exception path it is
-        abandoned (no collective)."""
-        current = vars(self.accelerator).get("backward")
-        if getattr(current, "__sdc_accelerate__", None) is self:
-            if self._own_backward:
-                self.accelerator.backward = self._backward
-            else:
-                del self.accelerator.backward  # the class's method again
-        step, self._step = self._step, None
-        if step is not None and not self.monitor.closed:
-            if sys.exc_info()[0] is None:
-                step.discard()
-            else:
-                step.__exit__(RuntimeError, None, None)
-        self.monitor.close()
+    def _ends_step(self, before: bool | None) -> bool:
+        return bool(self.accelerator.sync_gradients)
 
     def __enter__(self) -> SDCAccelerate:
         return self

@@ -4,7 +4,8 @@
 the model's type. Adapters: ``single`` (one process), ``ddp`` (DistributedDataParallel), ``fsdp`` (fully_shard on a
 1-D mesh), ``hsdp`` (fully_shard on a 2-D (replicate, shard) mesh), ``mesh`` (N-D: tensor and context parallelism
 with FSDP2/HSDP on one DeviceMesh), ``pipeline`` (``torch.distributed.pipelining`` stages, one or several per rank,
-their modules DDP-wrapped or fully_shard-ed over their data-parallel group).
+their modules DDP-wrapped or fully_shard-ed over their data-parallel group), ``deepspeed`` (a DeepSpeed engine,
+ZeRO stages 0 to 2).
 """
 
 from __future__ import annotations
@@ -47,8 +48,16 @@ def layout_for(model: Any, *, replica_group: dist.ProcessGroup | None = None,
             raise ValueError(f"with pipeline=schedule, model must be {what}; got "
                              + (f"{len(given)} module(s)" if len(given) != len(runs) else "other modules"))
         return layout
-    from sdc_telemetry.parallel import fsdp
+    from sdc_telemetry.parallel import deepspeed, fsdp
     from sdc_telemetry.parallel import mesh as nd
+
+    if deepspeed.is_engine(model):
+        if not initialised:
+            raise RuntimeError("SDCMonitor needs DeepSpeed's initialised process group (deepspeed.init_distributed)")
+        if comm_hook is not None or replica_group is not None or mesh is not None:
+            raise ValueError("comm_hook=, replica_group= and mesh= do not apply to a DeepSpeed engine: its groups "
+                             "come from the engine")
+        return deepspeed.DeepSpeedZeRO(model)
 
     if fsdp.is_fully_sharded(model) or (mesh is not None and initialised):
         if not initialised:

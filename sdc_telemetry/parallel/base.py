@@ -53,6 +53,8 @@ class GradSink(Protocol):
 
     def fail(self) -> None: ...
 
+    def store_norms(self, index: list[int], norms: list[torch.Tensor]) -> None: ...
+
     def measure_local(self) -> None: ...
 
 
@@ -115,6 +117,38 @@ class Layout:
         """With ``digest_keys``: the process group of the ranks that hold this rank's shard (its replicas), in which
         their digests are compared; an existing group of the layout, never one made for the monitor."""
         return None
+
+    @property
+    def repeats_why(self) -> str:
+        """Why the replay skips a step whose gradient tap ran more than once for the same bucket."""
+        return ("a gradient bucket was all-reduced more than once in the step: with gradient accumulation, run all but "
+                "the last micro-batch under ddp_model.no_sync()")
+
+    @property
+    def reduced_shards(self) -> list[int] | None:
+        """Per position, the index of the reduced-gradient shard it holds (compared only among its replicas), or
+        None when every rank holds whole reduced gradients: ``shard_of`` unless the layout partitions gradients
+        differently from weights (ZeRO stage 1 and 2: whole weights, partitioned gradients)."""
+        return self.shard_of
+
+    def reduced(self, params: Sequence[torch.nn.Parameter]) -> list[tuple[int, torch.Tensor]]:
+        """After backward, the reduced gradients this rank holds: (index in ``params``, tensor), never a collective;
+        by default each parameter's ``.grad`` as this rank holds it. Empty: nothing was reduced this step."""
+        return [(i, self.local(p.grad)) for i, p in enumerate(params) if p.grad is not None]
+
+    def updated(self, named: Sequence[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer
+                ) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+        """The tensors ``optimizer`` updates as this rank holds them, named, for the at-rest check and the update
+        audit, and whether they are the module's parameters (``named``, then read through ``local``) rather than
+        the optimizer's own copies (a ZeRO optimizer's fp32 partitions)."""
+        return list(named), True
+
+    @property
+    def optimizer_replicas(self) -> bool:
+        """Some other rank holds a copy of this rank's optimizer state and of what its update writes (its master
+        weights): the weight vote sees a wrong update. False where the optimizer is sharded (ZeRO): then the update
+        audit is the only check of an update."""
+        return self.weight_replicas
 
     def weight_classes(self, classes: Sequence[int] | None) -> list[Any] | None:
         """Per position, the class of ranks whose weights must be bit-identical (numerics signature, shard)."""

@@ -235,8 +235,8 @@ def test_large_finite_fp16_gradients_are_not_called_non_finite() -> None:
     record = grad.GradRecord(params, torch.device("cpu"))
     record.store([0], [torch.full((100,), 60000.0, dtype=torch.float16)])
     assert math.isfinite(float(record.total_norm())) and float(record.total_norm()) > 65504
-    params[0].grad = torch.full((100,), 60000.0, dtype=torch.float16)
-    assert math.isfinite(float(grad.reduced_norms(params, torch.device("cpu"))[0]))
+    held = [(0, torch.full((100,), 60000.0, dtype=torch.float16))]
+    assert math.isfinite(float(grad.reduced_norms(1, held, torch.device("cpu"))[0]))
 
 
 def test_an_episode_closes_only_on_a_pass_every_rank_shares() -> None:

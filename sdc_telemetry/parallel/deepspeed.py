@@ -1,0 +1,181 @@
+"""DeepSpeed's engine, ZeRO stages 0, 1 and 2: whole weights on every rank, a sharded optimizer from stage 1 on.
+
+What each check reads (nothing here imports DeepSpeed: the engine and its ZeRO optimizer are read by attribute):
+
+- **Local gradients**: a tensor hook on each parameter sees its gradient as backward produces it, before DeepSpeed's
+  own hooks reduce it (stage 2 reduces during backward, bucket by bucket, and frees ``.grad``). The hooks act only
+  while the integration says DeepSpeed's backward runs (``armed``), never during the replay's recomputation. With
+  ``gradient_accumulation_steps`` > 1 each micro-batch's norm is folded into the step's (a NaN in any of them
+  shows) and the replay, which compares a whole step's local gradients, is skipped (``repeats_why``).
+- **Reduced gradients**: stage 0 leaves them in ``.grad``; stages 1 and 2 keep only this rank's partition, averaged,
+  in the ZeRO optimizer's ``averaged_gradients`` (per parameter group, one piece per parameter in the partition)
+  between the boundary micro-batch's backward and ``engine.step()``: read there. Each rank holds a different partition, so a non-finite partition is compared with no
+  replica (``reduced_shards``).
+- **Weights**: every rank holds every module parameter (ZeRO all-gathers the updated partitions into them), so the
+  weight vote runs across the data-parallel group as for DDP.
+- **Update and at rest**: the torch optimizer inside ZeRO updates this rank's fp32 partition (its master weights)
+  and holds its state; no other rank holds either, and a wrong update is all-gathered into every replica's module
+  before any vote could see it. The at-rest check and the update audit (``checks/update.py``) therefore read those
+  partitions (``updated``) and the optimizer state keyed by them; the vote leaves the state out.
+- **Replay**: plain autograd on ``engine.module`` (``autograd.grad`` accumulates nothing into ``.grad``, so
+  DeepSpeed's reduction hooks stay idle).
+
+Refused by name: ZeRO stage 3 (parameters partitioned, gathered by forward hooks: a replay would need every rank),
+fp16 (DeepSpeed's dynamic loss scaler), pipeline engines, CPU/NVMe optimizer offload and ZeRO++ (``zero_hpz``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sdc_telemetry.core.collective import group_ranks
+from sdc_telemetry.parallel.base import GradSink, Layout, LayoutError
+
+__all__ = ["DeepSpeedZeRO", "is_engine"]
+
+
+def is_engine(model: Any) -> bool:
+    """``model`` is a DeepSpeed engine (``deepspeed.initialize``'s first result), told without importing DeepSpeed."""
+    return any(c.__name__ == "DeepSpeedEngine" and c.__module__.startswith("deepspeed.")
+               for c in type(model).__mro__)
+
+
+def _refusal(engine: Any) -> str | None:
+    if type(engine).__name__ != "DeepSpeedEngine":
+        return f"{type(engine).__name__} (a pipeline engine) is not supported: only deepspeed.DeepSpeedEngine"
+    stage = engine.zero_optimization_stage()
+    if stage >= 3:
+        return ("ZeRO stage 3 is not supported yet (its parameters are partitioned and gathered by forward hooks, so "
+                "a replay needs every rank); stages 0, 1 and 2 are")
+    if engine.fp16_enabled():
+        return "fp16 with DeepSpeed's dynamic loss scaler is not supported yet: use bf16 or fp32"
+    zero = engine.optimizer
+    if not stage and not isinstance(zero, torch.optim.Optimizer):
+        return (f"at ZeRO stage 0 DeepSpeed steps {type(zero).__name__} (bf16 at stage 0 shards fp32 master weights "
+                "its own way): use ZeRO stage 1 or 2")
+    if stage and getattr(zero, "cpu_offload", False):
+        return "ZeRO optimizer offload (offload_optimizer) is not supported yet"
+    if stage and not hasattr(zero, "averaged_gradients"):
+        return f"the ZeRO optimizer {type(zero).__name__} is not DeepSpeed's stage 1/2 optimizer"
+    return None
+
+
+class DeepSpeedZeRO(Layout):
+    """A ``deepspeed.DeepSpeedEngine`` at ZeRO stage 0, 1 or 2, across its data-parallel group."""
+
+    name = "deepspeed"
+    distributed = True
+    reduces = True
+    lockstep = False
+
+    def __init__(self, engine: Any) -> None:
+        why = _refusal(engine)
+        if why is not None:
+            raise LayoutError(f"SDCMonitor with DeepSpeed: {why}")
+        self.stage = int(engine.zero_optimization_stage())
+        self.zero = engine.optimizer if self.stage else None
+        group = self.zero.dp_process_group if self.zero is not None else \
+            (getattr(engine, "seq_data_parallel_group", None) or engine.data_parallel_group)
+        super().__init__(engine, engine.module, group, group_ranks(group), dist.get_rank())
+        self.gas = int(engine.gradient_accumulation_steps())
+        self.armed = False  # DeepSpeed's backward of a monitored step runs: the hooks measure
+        self._enabled = True
+        self._handles: list[Any] = []
+        self._sink: GradSink | None = None
+        self._folded: torch.Tensor | None = None  # gas > 1: the step's per-parameter norms so far
+        self._generation = -1
+
+    @property
+    def reduced_shards(self) -> list[int] | None:
+        return list(range(self.world)) if self.zero is not None else None
+
+    @property
+    def optimizer_replicas(self) -> bool:
+        return self.zero is None
+
+    @property
+    def repeats_why(self) -> str:
+        return (f"DeepSpeed accumulates {self.gas} micro-batches per step (gradient_accumulation_steps) and the replay "
+                "compares one step's whole local gradients, which ZeRO never holds at once: the replay is skipped, "
+                "the gradient, weight, at-rest and update checks run")
+
+    # -- local gradients ---------------------------------------------------------------------------------------------
+
+    def install(self, sink: GradSink, *, reduced_checks: bool = True) -> None:
+        self._sink = sink
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        self._handles = [p.register_hook(self._hook(i)) for i, p in enumerate(params)]  # type: ignore[no-untyped-call]
+        self._count = len(params)
+
+    def _hook(self, i: int) -> Any:
+        def measure(grad: torch.Tensor) -> None:
+            sink = self._sink
+            if not (self.armed and self._enabled) or sink is None:
+                return
+            try:
+                if self.gas == 1:
+                    sink.note_call(i)
+                    sink.store([i], [grad])
+                    return
+                if self._generation != sink.generation or self._folded is None:
+                    self._generation = sink.generation
+                    self._folded = torch.zeros(self._count, dtype=torch.float32, device=grad.device)
+                norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+                self._folded[i] = torch.hypot(self._folded[i], norm)
+            except Exception:  # noqa: BLE001 - telemetry never breaks training: the step's measurement fails
+                sink.fail()
+        return measure
+
+    def after_backward(self, sink: GradSink) -> None:
+        """With accumulation: the step's folded norms (a NaN in any micro-batch stays NaN); the second call says the
+        step's local gradients were measured in parts (the replay skips it: ``repeats_why``)."""
+        if self.gas == 1 or self._folded is None or self._generation != sink.generation:
+            return
+        sink.note_call(0)
+        sink.note_call(0)
+        sink.store_norms(list(range(self._count)), list(self._folded.unbind()))
+
+    def disable(self) -> None:
+        self._enabled = False
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- reduced gradients -------------------------------------------------------------------------------------------
+
+    def reduced(self, params: Sequence[torch.nn.Parameter]) -> list[tuple[int, torch.Tensor]]:
+        zero = self.zero
+        if zero is None:
+            return super().reduced(params)
+        index = {id(p): i for i, p in enumerate(params)}
+        out = []
+        for g, held in zero.averaged_gradients.items():
+            if held is None:
+                continue
+            inside, pieces = zero.params_in_partition[g], list(held)
+            # One piece per parameter of the partition, cut to it (the first from ``first_offset``, the last at the
+            # partition's end), then the last partition's zero padding.
+            if len(pieces) < len(inside):
+                raise RuntimeError(f"ZeRO's averaged gradients of group {g}: {len(pieces)} tensors for "
+                                   f"{len(inside)} parameters in the partition")
+            out += [(index[id(p)], t) for p, t in zip(inside, pieces, strict=False) if id(p) in index]
+        return out
+
+    # -- the optimizer's own tensors ---------------------------------------------------------------------------------
+
+    def updated(self, named: Sequence[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer
+                ) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+        if self.zero is None:
+            return super().updated(named, optimizer)
+        parts = list(self.zero.single_partition_of_fp32_groups)
+        return [(f"zero.fp32_partition.group{g}", t) for g, t in enumerate(parts)], False
+
+    def weights_off_reason(self) -> str | None:
+        return None if self.world > 1 else super().weights_off_reason()
+
+    def describe(self) -> str:
+        return f"DeepSpeed ZeRO stage {self.stage} over {self.world} rank(s)"
