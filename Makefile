@@ -4,6 +4,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+DS_EXTENSIONS := $(CURDIR)/$(VENV)/torch_extensions
 
 .PHONY: setup test lint typecheck unit demo bench dashboards alerts gpu-check clean
 
@@ -12,7 +13,12 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[dev,ops,lightning,transformers,postgres,torchtitan]'
+	$(PY) -m pip install -q -e '.[dev,ops,lightning,transformers,postgres,torchtitan,deepspeed]'
+	# DeepSpeed compiles its CPU shared-memory op (g++, ninja) at its first init_distributed: once here, into the
+	# venv (a build killed half-way leaves a lock that would hang every later run in a shared cache).
+	rm -rf $(DS_EXTENSIONS)
+	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(DS_EXTENSIONS) $(PY) -c \
+		"from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	touch $@
 
 lint: setup
@@ -22,7 +28,7 @@ typecheck: setup
 	$(VENV)/bin/mypy
 
 test: lint typecheck
-	$(PY) -m pytest tests
+	TORCH_EXTENSIONS_DIR=$(DS_EXTENSIONS) $(PY) -m pytest tests
 
 demo: setup
 	$(VENV)/bin/sdc-telemetry demo

@@ -35,7 +35,6 @@ import torch
 from sdc_telemetry.core.config import SDCConfig
 from sdc_telemetry.integrations._backward import WrappedBackward
 from sdc_telemetry.monitor import SDCMonitor
-from sdc_telemetry.parallel.deepspeed import DeepSpeedZeRO, is_engine
 from sdc_telemetry.sinks.observer import Observer
 
 __all__ = ["SDCDeepSpeed"]
@@ -56,7 +55,7 @@ class SDCDeepSpeed(WrappedBackward):
 
     def __init__(self, engine: Any, *, loss_fn: LossFn, config: SDCConfig | None = None, start_step: int = 0,
                  observer: Observer | None = None) -> None:
-        if not is_engine(engine):
+        if not callable(getattr(engine, "zero_optimization_stage", None)):
             raise TypeError(f"engine must be a deepspeed.DeepSpeedEngine (deepspeed.initialize()'s first result), got "
                             f"{type(engine).__name__}")
         if not callable(loss_fn):
@@ -64,9 +63,7 @@ class SDCDeepSpeed(WrappedBackward):
         self.engine = engine
         monitor = SDCMonitor(engine, engine.optimizer, loss_fn=loss_fn, config=config, start_step=start_step,
                              observer=observer)
-        layout = monitor.layout
-        assert isinstance(layout, DeepSpeedZeRO)
-        self._layout = layout
+        self._layout = monitor.layout  # parallel.deepspeed.DeepSpeedZeRO: its hooks measure while ``armed``
         super().__init__(engine, monitor)
 
     def _scale(self, kwargs: dict[str, Any]) -> tuple[float, Any]:
@@ -80,11 +77,11 @@ class SDCDeepSpeed(WrappedBackward):
 
     @contextmanager
     def _around(self) -> Iterator[None]:
-        self._layout.armed = True
+        self._layout.armed = True  # type: ignore[attr-defined]
         try:
             yield
         finally:
-            self._layout.armed = False
+            self._layout.armed = False  # type: ignore[attr-defined]
 
     def __enter__(self) -> SDCDeepSpeed:
         return self

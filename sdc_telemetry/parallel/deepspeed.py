@@ -9,8 +9,8 @@ What each check reads (nothing here imports DeepSpeed: the engine and its ZeRO o
   shows) and the replay, which compares a whole step's local gradients, is skipped (``repeats_why``).
 - **Reduced gradients**: stage 0 leaves them in ``.grad``; stages 1 and 2 keep only this rank's partition, averaged,
   in the ZeRO optimizer's ``averaged_gradients`` (per parameter group, one piece per parameter in the partition)
-  between the boundary micro-batch's backward and ``engine.step()``: read there. Each rank holds a different partition, so a non-finite partition is compared with no
-  replica (``reduced_shards``).
+  between the boundary micro-batch's backward and ``engine.step()``: read there. Each rank holds a different
+  partition, so a non-finite partition is compared with no replica (``reduced_shards``).
 - **Weights**: every rank holds every module parameter (ZeRO all-gathers the updated partitions into them), so the
   weight vote runs across the data-parallel group as for DDP.
 - **Update and at rest**: the torch optimizer inside ZeRO updates this rank's fp32 partition (its master weights)

@@ -135,6 +135,25 @@ def test_accelerate_example_keeps_a_bad_sample_out_of_the_weights() -> None:
                               "incidents: [(5, 'grad_local', 'data', [])]")
 
 
+@pytest.mark.parametrize("verdicts", ["immediate", "deferred"])
+def test_deepspeed_example_names_a_bad_sample_as_data_and_a_wrong_update_by_its_rank(verdicts: str) -> None:
+    """The DeepSpeed loop (ZeRO-2, engine.backward and engine.step kept) on 2 torchrun ranks, with verdicts decided
+    before the update or read one step later: a NaN in one sample of the last rank's batch at step 5 is data (nobody
+    named, training goes on to the end); on 3 ranks, a faulty optimizer kernel on the last rank from step 3 on,
+    which ZeRO all-gathers into every replica, is named alone by the update audit of step 4's update and every rank
+    exits 75 (on 2 ranks each recomputes the other's update: both would be named, ambiguous)."""
+    pytest.importorskip("deepspeed")
+    env = {"SDC_VERDICTS": verdicts, "DS_ACCELERATOR": "cpu",
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))}
+    proc = torchrun("deepspeed_train.py", "--steps", "8", "--nan-at", "5", env=env)
+    assert_finished(proc, "8 steps at ZeRO stage 2; incidents: [(5, 'grad_local', 'data', [])]")
+    proc = torchrun("deepspeed_train.py", "--steps", "8", "--wrong-update", "3", ranks=3, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and sorted(EXITCODE.findall(out)) == ["75", "75", "75"], out[-3000:]
+    # step 4's update is audited (replay_every=4) at the end of step 5, where the checks of step 5 run
+    assert re.search(r"check=update step=5 verdict=persistent suspects: host=\S+ rank=2 ", out), out[-3000:]
+
+
 def test_nanogpt_example_trains_and_certifies_its_checkpoints(tmp_path: Path) -> None:
     """The module-level nanoGPT loop (accumulation with the require_backward_grad_sync toggle, a tied head) trains
     12 iterations with every check and replay on, no incident, and its checkpoint's certificate verifies."""

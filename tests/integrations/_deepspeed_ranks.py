@@ -1,0 +1,153 @@
+"""Rank side of the DeepSpeed tests: loops written as DeepSpeed's users write them (``deepspeed.initialize``,
+``engine(batch)``, ``engine.backward(loss)``, ``engine.step()`` after every micro-batch), in one process group.
+
+Each run builds its own engine on the already initialised gloo group (DeepSpeed's CPU accelerator) and trains a small
+MLP with dropout under ZeRO stage 0, 1 or 2, with ``SDCDeepSpeed`` attached (or not, for the baseline the healthy run
+must reproduce bit for bit). Faults are planned on the module and on the torch optimizer inside ZeRO, whose
+parameters are this rank's fp32 partitions.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import sdc_telemetry as sdc
+from sdc_telemetry.deepspeed import SDCDeepSpeed
+from sdc_telemetry.faults import FaultInjector, flip_bit
+
+from ._ranks import ResultCounter, each_in_turn, summary
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def compute_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(model(x.to(next(model.parameters()).dtype)).float(), y)
+
+
+def _batches(rank: int, count: int, nan_at: tuple[int, int] | None) -> list[Batch]:
+    gen = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for i in range(count):
+        x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+        if nan_at is not None and nan_at == (rank, i):
+            x[0, 0] = float("nan")  # one bad sample in one rank's micro-batch: data, not hardware
+        out.append((x, y))
+    return out
+
+
+def _config(stage: int, accumulate: int, bf16: bool) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": accumulate,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
+            "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}, "steps_per_print": 10**6,
+            "wall_clock_breakdown": False}
+
+
+def train(config: sdc.SDCConfig | None, *, stage: int = 2, steps: int = 4, accumulate: int = 1, bf16: bool = False,
+          groups: int = 1, flip: tuple[int, int] | None = None, perturb: tuple[int, int] | None = None,
+          nan_at: tuple[int, int] | None = None, wrong_update: tuple[int, int] | None = None,
+          at_rest: tuple[int, int, str] | None = None, refuse: int | None = None) -> dict[str, Any]:
+    """``steps`` optimizer steps of ``accumulate`` micro-batches each; ``config`` None trains without the monitor.
+    ``groups`` 2: weight decay on the weights only (two parameter groups, which ZeRO steps one at a time).
+    Faults, each (rank, step): ``flip`` a bit of the module's first-layer weight; ``perturb`` the first layer's
+    output by 1e-3; ``nan_at`` (rank, micro-batch) a NaN sample; ``wrong_update`` a faulty optimizer kernel on that
+    rank from that step on; ``at_rest`` (rank, step, what) a bit of that rank's fp32 partition (``"param"``) or of
+    its first Adam moment (``"exp_avg"``) flipped before step ``step``'s forward pass. ``refuse``: build an engine at
+    that ZeRO stage and return what SDCDeepSpeed says of it."""
+    import deepspeed
+
+    if refuse is not None:
+        return _refused(refuse)
+
+    torch.manual_seed(0)  # the same initial weights on every rank
+    net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 32), nn.GELU(),
+                        nn.Linear(32, 4))
+    params: Any = net.parameters()
+    if groups == 2:
+        params = [{"params": [p for n, p in net.named_parameters() if n.endswith("weight")]},
+                  {"params": [p for n, p in net.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
+    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=params,
+                                           config=_config(stage, accumulate, bf16))
+    rank = dist.get_rank()
+    counter = ResultCounter()
+    run = None if config is None else SDCDeepSpeed(engine, loss_fn=compute_loss, config=config, observer=counter)
+    zero = engine.optimizer if stage else None
+    torch_opt = zero.optimizer if zero is not None else engine.optimizer
+    faults = FaultInjector(engine.module, torch_opt)
+    if flip is not None:
+        faults.flip_weight_bit(rank=flip[0], step=flip[1], param="0.weight", index=5, bit=27)
+    if perturb is not None:
+        faults.perturb_output(rank=perturb[0], step=perturb[1], module="0", relative=1e-3)
+    if wrong_update is not None:
+        faults.corrupt_update(rank=wrong_update[0], step=wrong_update[1], index=7, relative=1e-3)
+    handle = None
+    current = [0]  # the loop's step (the injector counts the torch optimizer's steps: one per group under ZeRO)
+    if at_rest is not None and rank == at_rest[0]:
+        assert zero is not None
+        part = zero.single_partition_of_fp32_groups[0]
+
+        def corrupt(*_: Any) -> None:
+            if current[0] == at_rest[1] and "at rest" not in faults.fired:
+                target = part if at_rest[2] == "param" else torch_opt.state[part][at_rest[2]]
+                flip_bit(target, 3, 22)
+                faults.fired.append("at rest")
+
+        handle = engine.module.register_forward_pre_hook(corrupt)
+    raised = None
+    updates = 0
+    try:
+        for i, batch in enumerate(_batches(rank, steps * accumulate, nan_at)):
+            current[0] = i // accumulate
+            if run is not None:
+                run.micro_batch(batch)
+            loss = compute_loss(engine, batch)
+            engine.backward(loss)
+            if (i + 1) % accumulate == 0:
+                updates += 1
+            engine.step()
+    except sdc.SDCDetected as e:
+        raised = e
+    finally:
+        if run is not None:
+            run.close()
+        faults.close()
+        if handle is not None:
+            handle.remove()
+    weights = sdc.fingerprint([p.detach().float() for p in net.parameters()]).tolist()
+    out: dict[str, Any] = {"weights": weights, "updates": updates, "fired": faults.fired,
+                           "weights_finite": all(bool(torch.isfinite(p).all()) for p in net.parameters()),
+                           "backward_restored": "backward" not in vars(engine)}
+    engine.destroy()
+    if run is None:
+        return out
+    return summary(run.incidents, counter, raised, global_step=updates, closed=run.monitor.closed,
+                   verdicts=[i.evidence.get("verdict") for i in run.incidents],
+                   evidence=[i.evidence for i in run.incidents], **out)
+
+
+def _refused(stage: int) -> dict[str, Any]:
+    import deepspeed
+
+    net = nn.Linear(16, 4)
+    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                           config=_config(stage, 1, False))
+    try:
+        SDCDeepSpeed(engine, loss_fn=compute_loss, config=sdc.SDCConfig(metrics_port=None, nvml=False))
+        refused = ""
+    except (TypeError, ValueError) as e:
+        refused = str(e)
+    engine.destroy()
+    return {"refused": refused}
+
+
+def run(rank: int, world: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    return each_in_turn(train, runs)

@@ -1,0 +1,143 @@
+"""SDCDeepSpeed in loops written as DeepSpeed's users write them (``deepspeed.initialize``, ``engine.backward``,
+``engine.step`` after every micro-batch) on 3 gloo CPU ranks (DeepSpeed's CPU accelerator): ZeRO stages 0, 1 and 2,
+two parameter groups, gradient accumulation and bf16, healthy; a weight bit flip, a compute fault, a bad sample, a
+faulty optimizer kernel on one rank, and bits flipped at rest in one rank's fp32 master partition and in its Adam
+moment (which no other rank holds under ZeRO). One spawn runs every scenario."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import pytest
+
+import sdc_telemetry as sdc
+from sdc_telemetry.testing import spawn_ranks
+
+if not os.environ.get("CI"):
+    pytest.importorskip("deepspeed")
+
+from . import _deepspeed_ranks
+from ._ranks import launcher_env
+
+WORLD = 3
+QUIET = {"metrics_port": None, "nvml": False}
+HEALTHY = sdc.SDCConfig(weights_every=1, replay_every=2, on_suspect="raise", **QUIET)
+DEFERRED = sdc.SDCConfig(weights_every=1, replay_every=2, on_suspect="raise", verdicts="deferred", **QUIET)
+RAISE = sdc.SDCConfig(weights_every=1, replay_every=0, on_suspect="raise", **QUIET)
+PLAN: list[dict[str, Any]] = [
+    {"config": None},                                                            # 0: ZeRO-2 without the monitor
+    {"config": HEALTHY},                                                         # 1: ZeRO-2
+    {"config": HEALTHY, "stage": 1, "groups": 2},                                # 2: ZeRO-1, two parameter groups
+    {"config": HEALTHY, "stage": 0},                                             # 3
+    {"config": HEALTHY, "accumulate": 2},                                        # 4
+    {"config": HEALTHY, "bf16": True},                                           # 5
+    {"config": RAISE, "flip": (1, 2)},                                           # 6
+    {"config": sdc.SDCConfig(weights_every=1, replay_every=1, on_suspect="raise", **QUIET), "perturb": (2, 1)},
+    {"config": sdc.SDCConfig(weights_every=1, replay_every=0, **QUIET), "nan_at": (1, 2)},        # 8
+    {"config": HEALTHY, "wrong_update": (1, 1)},                                 # 9
+    {"config": RAISE, "at_rest": (2, 2, "param")},                               # 10
+    {"config": RAISE, "at_rest": (0, 2, "exp_avg"), "stage": 1, "groups": 2},    # 11
+    {"config": None, "refuse": 3},                                               # 12: ZeRO-3 refused by name
+    {"config": DEFERRED},                            # 13: verdicts read a step later
+    {"config": DEFERRED, "wrong_update": (1, 1)},    # 14
+]
+DS_ENV = {"DS_ACCELERATOR": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[list[dict[str, Any]]]:
+    # DeepSpeed's CPU shared-memory op, built once by `make setup` into the venv
+    env = {**DS_ENV, "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                             os.path.join(sys.prefix, "torch_extensions"))}
+    out: list[list[dict[str, Any]]] = spawn_ranks(_deepspeed_ranks.run, WORLD, (PLAN,), timeout=600, env=env,
+                                                  rank_env=launcher_env(WORLD))
+    return out
+
+
+def _each(runs: list[list[dict[str, Any]]], index: int) -> list[dict[str, Any]]:
+    return [per_rank[index] for per_rank in runs]
+
+
+@pytest.mark.parametrize("index", [1, 2, 3, 4, 5, 13], ids=["zero2", "zero1-two-groups", "zero0", "zero2-accumulate",
+                                                            "zero2-bf16", "zero2-deferred"])
+def test_healthy_loops_run_every_check_and_raise_nothing(runs: list[list[dict[str, Any]]], index: int) -> None:
+    """Four optimizer steps: the gradient checks (local and the reduced partition), the weight vote, and (ZeRO 1/2)
+    the update audit of each rank's fp32 partition run and pass on every rank; the replay of steps 0 and 2 matches
+    bit for bit, except with accumulation, where it is skipped by design (said once); nothing fails or errs;
+    engine.backward is given back at close."""
+    plan = PLAN[index]
+    for rank, r in enumerate(_each(runs, index)):
+        assert r["raised"] is None and r["incidents"] == [] and r["updates"] == 4, f"rank {rank}: {r}"
+        res = r["results"]
+        assert res[("grad_local", "pass")] == 4 and res[("grad_reduced", "pass")] == 4, res
+        assert res[("weights", "pass")] == 4, res
+        assert res[("replay", "skipped" if plan.get("accumulate", 1) > 1 else "pass")] == 2, res
+        # ZeRO 1/2: no other rank holds this rank's fp32 partition, so the update audit runs with the replay
+        assert res.get(("update", "pass"), 0) == (2 if plan.get("stage", 2) else 0), res
+        assert not any(result in ("fail", "error") for _, result in res), res
+        assert r["backward_restored"] and r["closed"]
+
+
+def test_the_monitor_leaves_training_bit_for_bit_unchanged(runs: list[list[dict[str, Any]]]) -> None:
+    """The monitored healthy ZeRO-2 loop ends with the same weights, bit for bit, as the same loop without it."""
+    for baseline, monitored in zip(_each(runs, 0), _each(runs, 1), strict=True):
+        assert monitored["weights"] == baseline["weights"]
+        assert monitored["updates"] == baseline["updates"] == 4
+
+
+def test_a_weight_bit_flip_is_named_by_the_vote_before_the_update(runs: list[list[dict[str, Any]]]) -> None:
+    """A bit flipped in rank 1's copy of the first-layer weights before step 2: every rank holds the whole module
+    under ZeRO-2, so the vote of step 2 names rank 1 and SDCDetected leaves the loop inside engine.backward, before
+    step 2's update, on every rank."""
+    for rank, r in enumerate(_each(runs, 6)):
+        assert r["raised"] == (2, "weights", [1]) and r["incidents"] == [(2, "weights", [1])], f"rank {rank}: {r}"
+        assert r["updates"] == 2 and r["backward_restored"]
+
+
+def test_a_compute_fault_is_named_by_the_replay(runs: list[list[dict[str, Any]]]) -> None:
+    """Rank 2's first layer computes 1e-3 off from step 1 on: the replay of step 1 (a partner recomputing rank 2's
+    micro-batch on engine.module) names rank 2 on every rank."""
+    for rank, r in enumerate(_each(runs, 7)):
+        assert r["raised"] == (1, "replay", [2]), f"rank {rank}: {r}"
+        assert r["verdicts"] == ["persistent"]
+
+
+def test_a_bad_sample_names_nobody(runs: list[list[dict[str, Any]]]) -> None:
+    """A NaN in one sample of rank 1's batch at step 2: the triggered audit finds that a partner recomputing it gets
+    the same NaN (verdict data, nobody named); training goes on to the end."""
+    for rank, r in enumerate(_each(runs, 8)):
+        assert r["incidents"] == [(2, "grad_local", [])] and r["verdicts"] == ["data"], f"rank {rank}: {r}"
+        assert r["raised"] is None and r["updates"] == 4
+
+
+@pytest.mark.parametrize("index", [9, 14], ids=["immediate", "deferred"])
+def test_a_wrong_update_of_one_ranks_partition_is_named_by_the_update_audit(
+        runs: list[list[dict[str, Any]]], index: int) -> None:
+    """Rank 1's optimizer kernel writes one element of its fp32 partition 1e-3 off from step 1 on. ZeRO all-gathers
+    that partition into every rank's module, so the vote cannot see it; the update audit of step 1 (a partner
+    recomputing rank 1's AdamW step on its partition, gradient and moments) names rank 1, persistent (its own rerun
+    repeats the error), at the end of step 1 on every rank, with verdicts decided before the update or read one
+    step later alike."""
+    for rank, r in enumerate(_each(runs, index)):
+        assert r["raised"] == (1, "update", [1]) and r["verdicts"] == ["persistent"], f"rank {rank}: {r}"
+        assert r["results"][("weights", "pass")] == 2  # the vote saw nothing: every module holds the same weights
+
+
+@pytest.mark.parametrize(("index", "rank_hit", "label"), [(10, 2, "zero.fp32_partition.group0"),
+                                                          (11, 0, "zero.fp32_partition.group0 [exp_avg]")],
+                         ids=["master-weights", "adam-moment"])
+def test_memory_changed_at_rest_on_one_rank_is_named_on_that_rank(runs: list[list[dict[str, Any]]], index: int,
+                                                                   rank_hit: int, label: str) -> None:
+    """A bit flipped before step 2's forward pass in one rank's fp32 master partition, or in its first Adam moment
+    (ZeRO-1 with two parameter groups, stepped one at a time): no other rank holds either; the at-rest check of
+    step 2 names that rank alone, with the tensor that changed."""
+    for rank, r in enumerate(_each(runs, index)):
+        assert r["raised"] == (2, "weights", [rank_hit]) and r["verdicts"] == ["at_rest"], f"rank {rank}: {r}"
+        assert label in str(r["evidence"][0]), r["evidence"][0]
+
+
+def test_zero_stage_3_is_refused_by_name(runs: list[list[dict[str, Any]]]) -> None:
+    for r in _each(runs, 12):
+        assert "ZeRO stage 3 is not supported" in r["refused"], r
