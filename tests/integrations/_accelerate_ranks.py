@@ -21,7 +21,7 @@ import sdc_telemetry as sdc
 from sdc_telemetry.accelerate import SDCAccelerate
 from sdc_telemetry.faults import FaultInjector
 
-from ._ranks import ResultCounter, each_in_turn, summary
+from ._ranks import ResultCounter, batches, each_in_turn, summary
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -29,17 +29,6 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 def compute_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     x, y = batch
     return nn.functional.cross_entropy(model(x).float(), y)
-
-
-def _batches(rank: int, count: int, nan_at: tuple[int, int] | None) -> list[Batch]:
-    gen = torch.Generator().manual_seed(100 + rank)
-    out = []
-    for i in range(count):
-        x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
-        if nan_at is not None and nan_at == (rank, i):
-            x[0, 0] = float("nan")  # one bad sample in one rank's micro-batch: data, not hardware
-        out.append((x, y))
-    return out
 
 
 def train(config: sdc.SDCConfig | None, *, steps: int = 4, accumulate: int = 2, mixed_precision: str = "no",
@@ -88,7 +77,7 @@ def train(config: sdc.SDCConfig | None, *, steps: int = 4, accumulate: int = 2, 
     raised = None
     updates = 0
     try:
-        for batch in _batches(rank, steps * accumulate, nan_at):
+        for batch in batches(rank, steps * accumulate, nan_at):
             with accelerator.accumulate(model):
                 if run is not None:
                     run.micro_batch(batch)

@@ -20,7 +20,7 @@ import sdc_telemetry as sdc
 from sdc_telemetry.deepspeed import SDCDeepSpeed
 from sdc_telemetry.faults import FaultInjector, flip_bit
 
-from ._ranks import ResultCounter, each_in_turn, summary
+from ._ranks import ResultCounter, batches, each_in_turn, summary
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -28,17 +28,6 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 def compute_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     x, y = batch
     return nn.functional.cross_entropy(model(x.to(next(model.parameters()).dtype)).float(), y)
-
-
-def _batches(rank: int, count: int, nan_at: tuple[int, int] | None) -> list[Batch]:
-    gen = torch.Generator().manual_seed(100 + rank)
-    out = []
-    for i in range(count):
-        x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
-        if nan_at is not None and nan_at == (rank, i):
-            x[0, 0] = float("nan")  # one bad sample in one rank's micro-batch: data, not hardware
-        out.append((x, y))
-    return out
 
 
 def _config(stage: int, accumulate: int, bf16: bool) -> dict[str, Any]:
@@ -101,7 +90,7 @@ def train(config: sdc.SDCConfig | None, *, stage: int = 2, steps: int = 4, accum
     raised = None
     updates = 0
     try:
-        for i, batch in enumerate(_batches(rank, steps * accumulate, nan_at)):
+        for i, batch in enumerate(batches(rank, steps * accumulate, nan_at)):
             current[0] = i // accumulate
             if run is not None:
                 run.micro_batch(batch)

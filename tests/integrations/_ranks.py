@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 import sdc_telemetry as sdc
@@ -32,6 +33,19 @@ def each_in_turn(train: Callable[..., dict[str, Any]], runs: list[dict[str, Any]
     for kwargs in runs:
         out.append(train(**kwargs))
         dist.barrier()
+    return out
+
+
+def batches(rank: int, count: int, nan_at: tuple[int, int] | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` micro-batches of 8 samples (16 features, 4 classes) for ``rank``; ``nan_at`` (rank, index): one bad
+    sample in that rank's micro-batch (data, not hardware)."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for i in range(count):
+        x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+        if nan_at is not None and nan_at == (rank, i):
+            x[0, 0] = float("nan")
+        out.append((x, y))
     return out
 
 
