@@ -10,12 +10,12 @@ DS_EXTENSIONS := $(CURDIR)/$(VENV)/torch_extensions
 
 setup: $(VENV)/.installed
 
+# DeepSpeed compiles its CPU shared-memory op (g++, ninja) at its first init_distributed: once here, into the venv
+# (a build killed half-way leaves a lock that would hang every later run in a shared cache).
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e '.[dev,ops,lightning,transformers,postgres,torchtitan,deepspeed]'
-	# DeepSpeed compiles its CPU shared-memory op (g++, ninja) at its first init_distributed: once here, into the
-	# venv (a build killed half-way leaves a lock that would hang every later run in a shared cache).
 	rm -rf $(DS_EXTENSIONS)
 	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(DS_EXTENSIONS) $(PY) -c \
 		"from deepspeed.comm.torch import build_shm_op; build_shm_op()"
