@@ -106,10 +106,11 @@ def test_a_compute_fault_is_named_by_the_replay(runs: list[list[dict[str, Any]]]
 
 def test_a_bad_sample_names_nobody(runs: list[list[dict[str, Any]]]) -> None:
     """A NaN in one sample of rank 1's batch at step 2: the triggered audit finds that a partner recomputing it gets
-    the same NaN (verdict data, nobody named); training goes on to the end."""
+    the same NaN (verdict data, nobody named); training goes on to the end, and the weights stay finite (ZeRO-2
+    skips an update whose gradient norm is not finite)."""
     for rank, r in enumerate(_each(runs, 8)):
         assert r["incidents"] == [(2, "grad_local", [])] and r["verdicts"] == ["data"], f"rank {rank}: {r}"
-        assert r["raised"] is None and r["updates"] == 4
+        assert r["raised"] is None and r["updates"] == 4 and r["weights_finite"]
 
 
 @pytest.mark.parametrize("index", [9, 14], ids=["immediate", "deferred"])
