@@ -170,7 +170,7 @@ class SDCMonitor:
         read = layout.local if own else _as_held
         self._at_rest = AtRestCheck([n for n, _ in updated], [p for _, p in updated], optimizer, read,
                                     table_rows=own) if self.config.weights_every else None
-        self._update = self._plan_update_audit(optimizer, updated, classes, read)
+        self._update = self._plan_update_audit(optimizer, updated, classes, read, own=not own)
         reason = layout.weights_off_reason()
         if replicas and reason and self.config.weights_every and self._writer:
             log.warning("sdc_telemetry: %s; the at-rest check still compares each rank's own shards between the "
@@ -221,7 +221,6 @@ class SDCMonitor:
         self._scaler_used = False
         self._pipelined_step: int | None = None
         self._ended_since_update = True
-        self._param_groups = len(optimizer.param_groups)
         self._updated_at: int | None = None
         self._last_passing_audit: int | None = None
         self._warned: set[str] = set()
@@ -762,7 +761,7 @@ class SDCMonitor:
         steps run outside ``monitor.step()`` (no checks ran for them)."""
         # A ZeRO optimizer steps its torch optimizer one parameter group at a time (the others hidden from it): the
         # calls of one update after the first are not steps run outside a block.
-        partial = len(self.optimizer.param_groups) < self._param_groups and self._updated_at == self._step
+        partial = self.layout.steps_in_parts and self._updated_at == self._step
         self._updated_at = self._step
         if not self._ended_since_update and not partial:
             self._warn_once("no-step", "sdc_telemetry: optimizer.step() ran without a `with monitor.step(...)` "
@@ -795,8 +794,8 @@ class SDCMonitor:
             self._internal_error("update", "copying the audited slice before the update failed")
 
     def _plan_update_audit(self, optimizer: torch.optim.Optimizer, every: list[tuple[str, torch.Tensor]],
-                           classes: list[int] | None, read: Callable[[torch.Tensor], torch.Tensor]
-                           ) -> UpdateAudit | None:
+                           classes: list[int] | None, read: Callable[[torch.Tensor], torch.Tensor], *,
+                           own: bool = False) -> UpdateAudit | None:
         """The update audit, where it is asked for (``update_every``) or useful (``"auto"``: the vote cannot name
         a rank) and the optimizer's step can be recomputed."""
         n = self.config.update_every
@@ -825,7 +824,7 @@ class SDCMonitor:
         self._update_wire = collective_device(layout.group, self.device)
         largest = max(p.numel() * p.element_size() for _, p in every)
         return UpdateAudit([name for name, _ in every], [p for _, p in every], optimizer, read, n,
-                           slice_bytes=2 * largest)
+                           slice_bytes=2 * largest, own=own)
 
     def weights_changed(self) -> None:
         """Say that the weights (or the optimizer's state) were changed on purpose outside ``optimizer.step()``

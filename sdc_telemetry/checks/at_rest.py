@@ -115,7 +115,9 @@ class AtRestCheck:
         if self._reference is None:
             return torch.zeros((), dtype=torch.int64, device=self._device), None
         labels, ref_params, ref_states, since = self._reference
-        rows, state = self._tracked()
+        # The reference's parameters (a ZeRO-3 optimizer shows none of them between its steps), their state now
+        rows = self._stepped
+        state = self._state(rows)
         if tuple([self._names[r] for r in rows] + [label for label, _ in state]) != labels:
             self._reference = None  # the optimizer's parameters or state changed shape: nothing comparable
             return torch.zeros((), dtype=torch.int64, device=self._device), None

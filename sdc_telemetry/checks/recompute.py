@@ -203,7 +203,7 @@ class Recomputer:
         with self._preserved():
             if self.rerun is not None:
                 return self._rerun_schedule(micro, losses)
-            if self.lockstep is not None:
+            if self.lockstep is not None and not getattr(self.lockstep, "by_grad", False):
                 return self._lockstep(micro, losses)
             if not self.through_grad_fields:
                 try:

@@ -220,7 +220,8 @@ class UpdateAudit:
     comparison. ``local``: this rank's share of a tensor; ``slice_bytes``: the most host bytes one slice holds."""
 
     def __init__(self, names: Sequence[str], params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
-                 local: Callable[[torch.Tensor], torch.Tensor], every: int, slice_bytes: int) -> None:
+                 local: Callable[[torch.Tensor], torch.Tensor], every: int, slice_bytes: int, *,
+                 own: bool = False) -> None:
         self._names = list(names)
         self._params = list(params)
         self._optimizer = optimizer
@@ -229,6 +230,9 @@ class UpdateAudit:
         self._slice_bytes = slice_bytes
         self._cursor = 0               # where the next slice starts (rotates through the parameters)
         self._groups = len(optimizer.param_groups)
+        # ``params`` are the optimizer's own tensors, every one of them stepped each update (a ZeRO optimizer's
+        # partitions); False: the module's parameters, of which the optimizer may hold only some
+        self._own = own
         self.pending: Slice | None = None
         self._chosen: list[int] = []  # the pending slice's parameter indices
         self.errors: list[str] = []    # the last audit's errors, every rank's (gathered)
@@ -250,7 +254,7 @@ class UpdateAudit:
             return []
         start = next((k for k, i in enumerate(order) if i >= self._cursor), None)
         if start is None:
-            if len(self._optimizer.param_groups) < self._groups:
+            if len(self._optimizer.param_groups) < self._groups or (self._own and len(tracked) < len(self._params)):
                 return []  # a ZeRO optimizer steps one group at a time: the cursor's group comes later
             start = 0
         chosen: list[int] = []

@@ -143,6 +143,10 @@ class Layout:
         the optimizer's own copies (a ZeRO optimizer's fp32 partitions)."""
         return list(named), True
 
+    #: the optimizer's step runs its torch optimizer once per parameter group (a ZeRO optimizer): the step
+    #: post-hook fires several times per update
+    steps_in_parts = False
+
     @property
     def optimizer_replicas(self) -> bool:
         """Some other rank holds a copy of this rank's optimizer state and of what its update writes (its master

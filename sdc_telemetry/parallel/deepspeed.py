@@ -1,4 +1,4 @@
-"""DeepSpeed's engine, ZeRO stages 0, 1 and 2: whole weights on every rank, a sharded optimizer from stage 1 on.
+"""DeepSpeed's engine, ZeRO stages 0 to 3: a sharded optimizer from stage 1 on, sharded parameters at stage 3.
 
 What each check reads (nothing here imports DeepSpeed: the engine and its ZeRO optimizer are read by attribute):
 
@@ -7,26 +7,29 @@ What each check reads (nothing here imports DeepSpeed: the engine and its ZeRO o
   while the integration says DeepSpeed's backward runs (``armed``), never during the replay's recomputation. With
   ``gradient_accumulation_steps`` > 1 each micro-batch's norm is folded into the step's (a NaN in any of them
   shows) and the replay, which compares a whole step's local gradients, is skipped (``repeats_why``).
-- **Reduced gradients**: stage 0 leaves them in ``.grad``; stages 1 and 2 keep only this rank's partition, averaged,
-  in the ZeRO optimizer's ``averaged_gradients`` (per parameter group, one piece per parameter in the partition)
-  between the boundary micro-batch's backward and ``engine.step()``: read there. Each rank holds a different
-  partition, so a non-finite partition is compared with no replica (``reduced_shards``).
-- **Weights**: every rank holds every module parameter (ZeRO all-gathers the updated partitions into them), so the
-  weight vote runs across the data-parallel group as for DDP.
+- **Reduced gradients**: stage 0 leaves them in ``.grad``; stages 1 to 3 keep only this rank's partition, averaged,
+  in the ZeRO optimizer's ``averaged_gradients`` (per parameter group, or stage 3's sub-group, one piece per
+  parameter in the partition) between the boundary micro-batch's backward and ``engine.step()``: read there. Each
+  rank holds a different partition, so a non-finite partition is compared with no replica (``reduced_shards``).
+- **Weights**: at stages 0 to 2 every rank holds every module parameter (ZeRO all-gathers the updated partitions
+  into them), so the weight vote runs across the data-parallel group as for DDP. At stage 3 a parameter's partition
+  (``ds_tensor``) lives on one rank only: no vote (``weight_replicas`` False), the at-rest check below instead.
 - **Update and at rest**: the torch optimizer inside ZeRO updates this rank's fp32 partition (its master weights)
   and holds its state; no other rank holds either, and a wrong update is all-gathered into every replica's module
   before any vote could see it. The at-rest check and the update audit (``checks/update.py``) therefore read those
   partitions (``updated``) and the optimizer state keyed by them; the vote leaves the state out.
-- **Replay**: plain autograd on ``engine.module`` (``autograd.grad`` accumulates nothing into ``.grad``, so
-  DeepSpeed's reduction hooks stay idle).
+- **Replay**: ``autograd.grad`` on ``engine.module`` (it accumulates nothing into ``.grad``, so DeepSpeed's reduction
+  hooks stay idle). At stage 3 DeepSpeed's module hooks all-gather each parameter in the recomputation's forward
+  and backward: every rank recomputes at once (``lockstep``), each its partner's micro-batch, so that the gathers
+  line up (``recompute.by_grad``: the lockstep replay still runs ``autograd.grad``).
 
-Refused by name: ZeRO stage 3 (parameters partitioned, gathered by forward hooks: a replay would need every rank),
-fp16 (DeepSpeed's dynamic loss scaler), pipeline engines, CPU/NVMe optimizer offload and ZeRO++ (``zero_hpz``).
+Refused by name: fp16 (DeepSpeed's dynamic loss scaler), pipeline engines, optimizer or parameter offload, bf16 at
+stage 0 (DeepSpeed's own ``BF16_Optimizer``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -48,24 +51,24 @@ def _refusal(engine: Any) -> str | None:
     if type(engine).__name__ != "DeepSpeedEngine":
         return f"{type(engine).__name__} (a pipeline engine) is not supported: only deepspeed.DeepSpeedEngine"
     stage = engine.zero_optimization_stage()
-    if stage >= 3:
-        return ("ZeRO stage 3 is not supported yet (its parameters are partitioned and gathered by forward hooks, so "
-                "a replay needs every rank); stages 0, 1 and 2 are")
     if engine.fp16_enabled():
         return "fp16 with DeepSpeed's dynamic loss scaler is not supported yet: use bf16 or fp32"
     zero = engine.optimizer
     if not stage and not isinstance(zero, torch.optim.Optimizer):
         return (f"at ZeRO stage 0 DeepSpeed steps {type(zero).__name__} (bf16 at stage 0 shards fp32 master weights "
                 "its own way): use ZeRO stage 1 or 2")
-    if stage and getattr(zero, "cpu_offload", False):
-        return "ZeRO optimizer offload (offload_optimizer) is not supported yet"
-    if stage and not hasattr(zero, "averaged_gradients"):
-        return f"the ZeRO optimizer {type(zero).__name__} is not DeepSpeed's stage 1/2 optimizer"
+    if stage and (getattr(zero, "cpu_offload", False) or getattr(zero, "offload_optimizer", False)
+                  or getattr(zero, "offload_param", False)):
+        return "ZeRO offload (offload_optimizer, offload_param) is not supported yet"
+    needs = ("fp16_groups", "fp32_partitioned_groups_flat") if stage == 3 else \
+        ("params_in_partition", "single_partition_of_fp32_groups")
+    if stage and not all(hasattr(zero, a) for a in ("averaged_gradients", *needs)):
+        return f"the ZeRO optimizer {type(zero).__name__} is not DeepSpeed's stage {stage} optimizer"
     return None
 
 
 class DeepSpeedZeRO(Layout):
-    """A ``deepspeed.DeepSpeedEngine`` at ZeRO stage 0, 1 or 2, across its data-parallel group."""
+    """A ``deepspeed.DeepSpeedEngine`` at ZeRO stage 0 to 3, across its data-parallel group."""
 
     name = "deepspeed"
     distributed = True
@@ -82,6 +85,10 @@ class DeepSpeedZeRO(Layout):
             (getattr(engine, "seq_data_parallel_group", None) or engine.data_parallel_group)
         super().__init__(engine, engine.module, group, group_ranks(group), dist.get_rank())
         self.gas = int(engine.gradient_accumulation_steps())
+        self.lockstep = self.stage == 3
+        self.steps_in_parts = self.zero is not None
+        if self.stage == 3:
+            self.shard_of = list(range(self.world))
         self.armed = False  # DeepSpeed's backward of a monitored step runs: the hooks measure
         self._enabled = True
         self._handles: list[Any] = []
@@ -96,6 +103,31 @@ class DeepSpeedZeRO(Layout):
     @property
     def optimizer_replicas(self) -> bool:
         return self.zero is None
+
+    @property
+    def weight_replicas(self) -> bool:
+        return self.world > 1 and self.stage < 3
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """Stage 3: this rank's partition of a parameter (``ds_tensor``, flat); the tensor itself below."""
+        return getattr(t, "ds_tensor", t) if self.stage == 3 else t
+
+    def whole(self, named: Sequence[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.stage < 3:
+            yield from named
+            return
+        from deepspeed.zero import GatheredParameters  # a collective per parameter, every rank in turn
+
+        for name, p in named:
+            with GatheredParameters([p]):
+                full = p.detach().clone()
+            yield name, full
+
+    def recompute(self, params: Sequence[torch.nn.Parameter], run_backward: Callable[[], None],
+                  take: Callable[[int, torch.Tensor, float | None], None]) -> None:
+        raise NotImplementedError("a ZeRO-3 replay recomputes with autograd.grad (by_grad), every rank at once")
+
+    recompute.by_grad = True  # type: ignore[attr-defined]
 
     @property
     def repeats_why(self) -> str:
@@ -156,7 +188,9 @@ class DeepSpeedZeRO(Layout):
         for g, held in zero.averaged_gradients.items():
             if held is None:
                 continue
-            inside, pieces = zero.params_in_partition[g], list(held)
+            # Stage 3: one partition-shaped piece per parameter of the sub-group, every parameter
+            inside = zero.fp16_groups[g] if self.stage == 3 else zero.params_in_partition[g]
+            pieces = list(held)
             # One piece per parameter of the partition, cut to it (the first from ``first_offset``, the last at the
             # partition's end), then the last partition's zero padding.
             if len(pieces) < len(inside):
@@ -171,10 +205,14 @@ class DeepSpeedZeRO(Layout):
                 ) -> tuple[list[tuple[str, torch.Tensor]], bool]:
         if self.zero is None:
             return super().updated(named, optimizer)
-        parts = list(self.zero.single_partition_of_fp32_groups)
+        parts = list(self.zero.fp32_partitioned_groups_flat if self.stage == 3 else
+                     self.zero.single_partition_of_fp32_groups)
         return [(f"zero.fp32_partition.group{g}", t) for g, t in enumerate(parts)], False
 
     def weights_off_reason(self) -> str | None:
+        if self.stage == 3:
+            return ("ZeRO stage 3 holds each parameter's partition on one rank only: the weight vote has nothing to "
+                    "compare and is off (the update audit checks each rank's update)")
         return None if self.world > 1 else super().weights_off_reason()
 
     def describe(self) -> str:

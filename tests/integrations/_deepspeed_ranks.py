@@ -33,7 +33,9 @@ def compute_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
 def _config(stage: int, accumulate: int, bf16: bool) -> dict[str, Any]:
     return {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": accumulate,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
-            "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}, "steps_per_print": 10**6,
+            # stage 3: every parameter partitioned and gathered by DeepSpeed's hooks (none kept whole as "persistent")
+            "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})},
+            "bf16": {"enabled": bf16}, "steps_per_print": 10**6,
             "wall_clock_breakdown": False}
 
 
@@ -46,8 +48,8 @@ def train(config: sdc.SDCConfig | None, *, stage: int = 2, steps: int = 4, accum
     Faults, each (rank, step): ``flip`` a bit of the module's first-layer weight; ``perturb`` the first layer's
     output by 1e-3; ``nan_at`` (rank, micro-batch) a NaN sample; ``wrong_update`` a faulty optimizer kernel on that
     rank from that step on; ``at_rest`` (rank, step, what) a bit of that rank's fp32 partition (``"param"``) or of
-    its first Adam moment (``"exp_avg"``) flipped before step ``step``'s forward pass. ``refuse``: build an engine at
-    that ZeRO stage and return what SDCDeepSpeed says of it."""
+    its first Adam moment (``"exp_avg"``) flipped before step ``step``'s forward pass. ``refuse``: build a bf16
+    engine at that ZeRO stage and return what SDCDeepSpeed says of it."""
     import deepspeed
 
     if refuse is not None:
@@ -78,7 +80,7 @@ def train(config: sdc.SDCConfig | None, *, stage: int = 2, steps: int = 4, accum
     current = [0]  # the loop's step (the injector counts the torch optimizer's steps: one per group under ZeRO)
     if at_rest is not None and rank == at_rest[0]:
         assert zero is not None
-        part = zero.single_partition_of_fp32_groups[0]
+        part = (zero.fp32_partitioned_groups_flat if stage == 3 else zero.single_partition_of_fp32_groups)[0]
 
         def corrupt(*_: Any) -> None:
             if current[0] == at_rest[1] and "at rest" not in faults.fired:
@@ -124,7 +126,7 @@ def _refused(stage: int) -> dict[str, Any]:
 
     net = nn.Linear(16, 4)
     engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
-                                           config=_config(stage, 1, False))
+                                           config=_config(stage, 1, True))
     try:
         SDCDeepSpeed(engine, loss_fn=compute_loss, config=sdc.SDCConfig(metrics_port=None, nvml=False))
         refused = ""
