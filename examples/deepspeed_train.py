@@ -39,7 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--zero", type=int, default=2, choices=(0, 1, 2), help="ZeRO stage")
+    parser.add_argument("--zero", type=int, default=2, choices=(0, 1, 2, 3), help="ZeRO stage")
     parser.add_argument("--nan-at", type=int, default=None, metavar="STEP")
     parser.add_argument("--wrong-update", type=int, default=None, metavar="STEP")
     args = parser.parse_args()

@@ -17,8 +17,8 @@ the loss with DeepSpeed's ``1 / gradient_accumulation_steps`` and ends the monit
 of the micro-batch at the accumulation boundary, where DeepSpeed has reduced the gradients and ``engine.step()`` is
 about to update: the checks run there on every rank and ``SDCDetected`` is raised before the update.
 
-ZeRO stages 0, 1 and 2 with fp32 or bf16 (``parallel/deepspeed.py`` says what each check reads and what is refused).
-Under stages 1 and 2 each rank's fp32 master partition and its optimizer state live on that rank alone: the at-rest
+ZeRO stages 0 to 3 with fp32 or bf16 (``parallel/deepspeed.py`` says what each check reads and what is refused).
+From stage 1 on each rank's fp32 master partition and its optimizer state live on that rank alone: the at-rest
 check watches them between the update and the next weight check, and the update audit (``update_every``, with the
 replay by default) has a partner recompute one rank's optimizer step on its partition. ``loss_fn(module, batch)``
 recomputes a micro-batch's loss on ``engine.module`` for the replay.
