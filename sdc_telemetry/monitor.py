@@ -352,7 +352,7 @@ class SDCMonitor:
         # The buffers are named, not fingerprinted, so that a full state_dict() verifies.
         return WeightCertificate(
             step=step, fingerprints={n: row for (n, _), row in zip(named, rows, strict=True)},
-            shapes={n: tuple(p.shape) for n, p in named},
+            shapes={n: self.layout.whole_shape(p) for n, p in named},
             dtypes={n: str(p.dtype).removeprefix("torch.") for n, p in named}, world_size=self._world,
             last_passing_audit=self._last_passing_audit, buffers=tuple(n for n, _ in self.module.named_buffers()))
 

@@ -211,6 +211,10 @@ class Layout:
         """Whole tensors, one at a time (a sharded layout gathers each in turn: collective)."""
         yield from named
 
+    def whole_shape(self, t: torch.Tensor) -> tuple[int, ...]:
+        """The shape of ``t`` as a whole tensor (a DTensor's is its global shape already)."""
+        return tuple(t.shape)
+
     # -- replay --------------------------------------------------------------------------------------------------
 
     def recompute(self, params: Sequence[torch.nn.Parameter], run_backward: Callable[[], None],

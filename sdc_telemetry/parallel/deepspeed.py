@@ -116,12 +116,16 @@ class DeepSpeedZeRO(Layout):
         if self.stage < 3:
             yield from named
             return
-        from deepspeed.zero import GatheredParameters  # a collective per parameter, every rank in turn
+        from deepspeed.runtime.zero import GatheredParameters  # a collective per parameter, every rank in turn
 
         for name, p in named:
             with GatheredParameters([p]):
                 full = p.detach().clone()
             yield name, full
+
+    def whole_shape(self, t: torch.Tensor) -> tuple[int, ...]:
+        """Stage 3: a parameter's own shape (``ds_shape``) while its tensor is an empty placeholder."""
+        return tuple(getattr(t, "ds_shape", t.shape))
 
     def recompute(self, params: Sequence[torch.nn.Parameter], run_backward: Callable[[], None],
                   take: Callable[[int, torch.Tensor, float | None], None]) -> None:

@@ -34,7 +34,9 @@ def _config(stage: int, accumulate: int, bf16: bool) -> dict[str, Any]:
     return {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": accumulate,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
             # stage 3: every parameter partitioned and gathered by DeepSpeed's hooks (none kept whole as "persistent")
-            "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})},
+            "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0,
+                                                      "stage3_gather_16bit_weights_on_model_save": True}
+                                                     if stage == 3 else {})},
             "bf16": {"enabled": bf16}, "steps_per_print": 10**6,
             "wall_clock_breakdown": False}
 
@@ -42,14 +44,17 @@ def _config(stage: int, accumulate: int, bf16: bool) -> dict[str, Any]:
 def train(config: sdc.SDCConfig | None, *, stage: int = 2, steps: int = 4, accumulate: int = 1, bf16: bool = False,
           groups: int = 1, flip: tuple[int, int] | None = None, perturb: tuple[int, int] | None = None,
           nan_at: tuple[int, int] | None = None, wrong_update: tuple[int, int] | None = None,
-          at_rest: tuple[int, int, str] | None = None, refuse: int | None = None) -> dict[str, Any]:
+          at_rest: tuple[int, int, str] | None = None, refuse: int | None = None,
+          certify: str | None = None) -> dict[str, Any]:
     """``steps`` optimizer steps of ``accumulate`` micro-batches each; ``config`` None trains without the monitor.
     ``groups`` 2: weight decay on the weights only (two parameter groups, which ZeRO steps one at a time).
     Faults, each (rank, step): ``flip`` a bit of the module's first-layer weight; ``perturb`` the first layer's
     output by 1e-3; ``nan_at`` (rank, micro-batch) a NaN sample; ``wrong_update`` a faulty optimizer kernel on that
     rank from that step on; ``at_rest`` (rank, step, what) a bit of that rank's fp32 partition (``"param"``) or of
     its first Adam moment (``"exp_avg"``) flipped before step ``step``'s forward pass. ``refuse``: build a bf16
-    engine at that ZeRO stage and return what SDCDeepSpeed says of it."""
+    engine at that ZeRO stage and return what SDCDeepSpeed says of it. ``certify``: a directory: after training,
+    certify the weights (every rank), save DeepSpeed's checkpoint there (ZeRO-3: its 16-bit consolidated model too)
+    and verify what was saved against the certificate."""
     import deepspeed
 
     if refuse is not None:
@@ -91,6 +96,7 @@ def train(config: sdc.SDCConfig | None, *, stage: int = 2, steps: int = 4, accum
         handle = engine.module.register_forward_pre_hook(corrupt)
     raised = None
     updates = 0
+    verified: list[str] | None = None
     try:
         for i, batch in enumerate(batches(rank, steps * accumulate, nan_at)):
             current[0] = i // accumulate
@@ -101,6 +107,8 @@ def train(config: sdc.SDCConfig | None, *, stage: int = 2, steps: int = 4, accum
             if (i + 1) % accumulate == 0:
                 updates += 1
             engine.step()
+        if certify is not None and run is not None:
+            verified = _certify(engine, run, certify, stage)
     except sdc.SDCDetected as e:
         raised = e
     finally:
@@ -109,16 +117,44 @@ def train(config: sdc.SDCConfig | None, *, stage: int = 2, steps: int = 4, accum
         faults.close()
         if handle is not None:
             handle.remove()
-    weights = sdc.fingerprint([p.detach().float() for p in net.parameters()]).tolist()
+    if stage == 3 and raised is None:  # the module holds empty placeholders: the whole weights, gathered
+        from deepspeed.runtime.zero import GatheredParameters
+
+        with GatheredParameters(list(net.parameters())):
+            final = [p.detach().float().clone() for p in net.parameters()]
+    elif stage == 3:  # a step left before engine.step(): DeepSpeed still holds its modules active; this rank's share
+        final = [p.ds_tensor.detach().float() for p in net.parameters()]
+    else:
+        final = [p.detach().float() for p in net.parameters()]
+    weights = sdc.fingerprint(final).tolist()
     out: dict[str, Any] = {"weights": weights, "updates": updates, "fired": faults.fired,
-                           "weights_finite": all(bool(torch.isfinite(p).all()) for p in net.parameters()),
-                           "backward_restored": "backward" not in vars(engine)}
+                           "weights_finite": all(bool(torch.isfinite(p).all()) for p in final),
+                           "backward_restored": "backward" not in vars(engine), "verified": verified}
     engine.destroy()
     if run is None:
         return out
     return summary(run.incidents, counter, raised, global_step=updates, closed=run.monitor.closed,
                    verdicts=[i.evidence.get("verdict") for i in run.incidents],
                    evidence=[i.evidence for i in run.incidents], **out)
+
+
+def _certify(engine: Any, run: SDCDeepSpeed, where: str, stage: int) -> list[str]:
+    """Certify (collective), save DeepSpeed's checkpoint, read back the saved module weights and verify them: the
+    names of parameters that do not verify, then ``|``, then those of the same weights with one bit flipped."""
+    import os
+
+    cert = run.monitor.certificate()
+    engine.save_checkpoint(where, tag="last")
+    if stage == 3:  # the checkpoint's module holds empty placeholders: DeepSpeed's consolidated 16-bit model instead
+        engine.save_16bit_model(where, "model.bin")
+    dist.barrier()
+    path = os.path.join(where, "model.bin") if stage == 3 else \
+        os.path.join(where, "last", "mp_rank_00_model_states.pt")
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    weights = saved if stage == 3 else saved["module"]
+    intact = cert.verify(weights)
+    flip_bit(weights["3.weight"], 7, 30)  # the same checkpoint with one bit changed on disk
+    return [*intact, "|", *cert.verify(weights)]
 
 
 def _refused(stage: int) -> dict[str, Any]:

@@ -51,16 +51,20 @@ PLAN: list[dict[str, Any]] = [
     {"config": HEALTHY, "wrong_update": (1, 1), "stage": 3},                     # 19
     {"config": RAISE, "at_rest": (2, 2, "param"), "stage": 3, "groups": 2},      # 20
     {"config": sdc.SDCConfig(weights_every=1, replay_every=0, **QUIET), "nan_at": (1, 2), "stage": 3},  # 21
+    {"config": HEALTHY, "certify": True},                                        # 22: a directory per run
+    {"config": HEALTHY, "certify": True, "stage": 3},                            # 23
 ]
 DS_ENV = {"DS_ACCELERATOR": "cpu"}
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[list[dict[str, Any]]]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any]]]:
     # DeepSpeed's CPU shared-memory op, built once by `make setup` into the venv
     env = {**DS_ENV, "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
                                                              os.path.join(sys.prefix, "torch_extensions"))}
-    out: list[list[dict[str, Any]]] = spawn_ranks(_deepspeed_ranks.run, WORLD, (PLAN,), timeout=600, env=env,
+    plan = [{**p, "certify": str(tmp_path_factory.mktemp(f"ds-checkpoint-{i}"))} if p.get("certify") else p
+            for i, p in enumerate(PLAN)]
+    out: list[list[dict[str, Any]]] = spawn_ranks(_deepspeed_ranks.run, WORLD, (plan,), timeout=600, env=env,
                                                   rank_env=launcher_env(WORLD))
     return out
 
@@ -167,3 +171,14 @@ def test_bf16_at_stage_0_is_refused_by_name(runs: list[list[dict[str, Any]]]) ->
     what to use instead."""
     for r in _each(runs, 12):
         assert "use ZeRO stage 1 or 2" in r["refused"], r
+
+
+@pytest.mark.parametrize("index", [22, 23], ids=["zero2", "zero3"])
+def test_deepspeeds_own_checkpoint_is_certified_and_verified(runs: list[list[dict[str, Any]]], index: int) -> None:
+    """After training, certificate() on every rank (ZeRO-3: each parameter gathered in turn, shapes from its
+    ds_shape), then DeepSpeed's own checkpoint (engine.save_checkpoint; at ZeRO-3 its consolidated
+    save_16bit_model): the saved weights verify against the certificate, and the same weights with one bit flipped
+    do not, naming that parameter."""
+    for rank, r in enumerate(_each(runs, index)):
+        assert r["incidents"] == [] and r["raised"] is None, f"rank {rank}: {r}"
+        assert r["verified"] == ["|", "3.weight"], r["verified"]
