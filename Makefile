@@ -28,7 +28,7 @@ typecheck: setup
 	$(VENV)/bin/mypy
 
 test: lint typecheck
-	TORCH_EXTENSIONS_DIR=$(DS_EXTENSIONS) $(PY) -m pytest tests
+	TORCH_EXTENSIONS_DIR=$(DS_EXTENSIONS) $(PY) -m pytest tests --durations=40
 
 demo: setup
 	$(VENV)/bin/sdc-telemetry demo
