@@ -59,6 +59,9 @@ __all__ = ["SDCMonitor"]
 
 log = logging.getLogger("sdc_telemetry")
 
+#: the most host bytes one update audit copies on a rank (its slice: parameters, gradients and optimizer state)
+UPDATE_SLICE_BYTES = 256 * 2**20
+
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
 
@@ -180,7 +183,8 @@ class SDCMonitor:
                                    self.device, self.mode, self.config.tolerance, self.config.replay_every,
                                    recompute=layout.recompute if layout.lockstep else None, every_step=triggers,
                                    units=layout.replay_units(), rerun=getattr(layout, "rerun", None),
-                                   classes=classes, outputs=layout.stage_outputs()) \
+                                   classes=classes, outputs=layout.stage_outputs(),
+                                   grad_fields=layout.grad_fields) \
             if replicas and (self.config.replay_every or triggers) and (loss_fn is not None or layout.pipelined) \
             else None
         if self._replay is not None and self._replay.alone and self._writer:
@@ -805,6 +809,9 @@ class SDCMonitor:
             if layout.weight_replicas and layout.optimizer_replicas else 1
         if n == "auto":
             n = self.config.replay_every if reason is None and self._world > 1 and holders <= 2 else 0
+            if reason is not None and self._world > 1 and not layout.optimizer_replicas and self._writer:
+                log.warning("sdc_telemetry: %s, and no other rank holds this rank's optimizer state: a wrong update "
+                            "goes unseen (the update audit is off)", reason)
         elif n and reason is not None:
             raise ValueError(f"SDCConfig.update_every={n}: {reason}")
         elif n and self._world < 2:
@@ -822,9 +829,11 @@ class SDCMonitor:
             pairing = plan_pairs(hosts)
         self._update_origin_of = [pairing.origin(q, pairing.shifts[0]) for q in range(len(self._ranks))]
         self._update_wire = collective_device(layout.group, self.device)
+        # One audit's host copy: about two of the largest parameters, and never more than UPDATE_SLICE_BYTES (a
+        # larger share, such as a ZeRO optimizer's flat partition, is audited a range at a time).
         largest = max(p.numel() * p.element_size() for _, p in every)
         return UpdateAudit([name for name, _ in every], [p for _, p in every], optimizer, read, n,
-                           slice_bytes=2 * largest, own=own)
+                           slice_bytes=2 * largest, own=own, max_bytes=UPDATE_SLICE_BYTES)
 
     def weights_changed(self) -> None:
         """Say that the weights (or the optimizer's state) were changed on purpose outside ``optimizer.step()``

@@ -177,7 +177,8 @@ class Recomputer:
 
     def __init__(self, module: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None,
                  params: Sequence[torch.nn.Parameter], device: torch.device, mode: str,
-                 lockstep: Recompute | None = None, *, rerun: Callable[..., Any] | None = None) -> None:
+                 lockstep: Recompute | None = None, *, rerun: Callable[..., Any] | None = None,
+                 grad_fields: bool = True) -> None:
         self._module = module
         self._loss_fn = loss_fn
         self._params = list(params)
@@ -186,6 +187,7 @@ class Recomputer:
         self.lockstep = lockstep
         self.rerun = rerun  # a pipeline stage: the partner replica reruns the origin's whole schedule step
         self.through_grad_fields = False  # recompute through .grad (reentrant checkpointing), not autograd.grad
+        self.grad_fields = grad_fields  # that fallback is allowed (Layout.grad_fields)
         self.replaying = False  # a recomputation is running (the forward pre-hook must not capture it)
         self._held: set[int] = set()  # parameters whose gradient arrives in several pieces per backward
 
@@ -211,6 +213,11 @@ class Recomputer:
                 except RuntimeError as e:
                     if "checkpoint" not in str(e).lower():
                         raise
+                    if not self.grad_fields:
+                        raise RuntimeError("reentrant activation checkpointing refuses autograd.grad(), and this "
+                                           "layout cannot recompute through .grad (its framework reduces what "
+                                           "accumulates there): the replay cannot run; checkpoint with "
+                                           "use_reentrant=False") from e
                     # Reentrant activation checkpointing runs its own backward into .grad and refuses
                     # autograd.grad(): from now on this model is recomputed through .grad, saved and restored.
                     self.through_grad_fields = True

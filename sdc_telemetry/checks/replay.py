@@ -65,13 +65,14 @@ class ReplayCheck:
                  every_step: bool = False, units: tuple[list[int], list[int]] | None = None,
                  coordinate_of: Callable[[int], dict[str, int] | None] | None = None,
                  rerun: Callable[..., Any] | None = None, classes: Sequence[int] | None = None,
-                 outputs: Any = None) -> None:
+                 outputs: Any = None, grad_fields: bool = True) -> None:
         if loss_fn is None and rerun is None:
             raise ValueError("replay needs loss_fn(module, batch) -> scalar loss")
         self._params = [p for _, p in named_params]
         # Layouts whose recomputation runs collectives (FSDP2): every rank recomputes at once, through ``recompute``.
         self._lockstep = recompute
-        self._recomputer = Recomputer(module, loss_fn, self._params, device, mode, recompute, rerun=rerun)
+        self._recomputer = Recomputer(module, loss_fn, self._params, device, mode, recompute, rerun=rerun,
+                                      grad_fields=grad_fields)
         self._group = group
         self._ranks = list(ranks)
         self._pos = self._ranks.index(dist.get_rank())

@@ -217,24 +217,27 @@ def _unpack(data: torch.Tensor) -> dict[str, Any] | None:
 
 class UpdateAudit:
     """This rank's side of the update audit: the slices, the snapshot around the update, the exchange and the
-    comparison. ``local``: this rank's share of a tensor; ``slice_bytes``: the most host bytes one slice holds."""
+    comparison. ``local``: this rank's share of a tensor; ``slice_bytes``: the host bytes a slice of several
+    parameters stays within; ``max_bytes``: the most one audit copies (a larger share goes a range at a time)."""
 
     def __init__(self, names: Sequence[str], params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
                  local: Callable[[torch.Tensor], torch.Tensor], every: int, slice_bytes: int, *,
-                 own: bool = False) -> None:
+                 own: bool = False, max_bytes: int | None = None) -> None:
         self._names = list(names)
         self._params = list(params)
         self._optimizer = optimizer
         self._local = local
         self.every = every
         self._slice_bytes = slice_bytes
+        self._max_bytes = max_bytes  # one share larger than this is audited a range at a time
         self._cursor = 0               # where the next slice starts (rotates through the parameters)
         self._groups = len(optimizer.param_groups)
         # ``params`` are the optimizer's own tensors, every one of them stepped each update (a ZeRO optimizer's
         # partitions); False: the module's parameters, of which the optimizer may hold only some
         self._own = own
         self.pending: Slice | None = None
-        self._chosen: list[int] = []  # the pending slice's parameter indices
+        self._chosen: list[tuple[int, int, int]] = []  # the pending slice: (parameter index, first, end element)
+        self._offset = 0  # where the cursor's parameter resumes (a share audited a range at a time)
         self.errors: list[str] = []    # the last audit's errors, every rank's (gathered)
 
     def due(self, step: int) -> bool:
@@ -245,8 +248,10 @@ class UpdateAudit:
         """This rank holds the slice of step ``step``'s update, with what the update made of it."""
         return self.pending is not None and self.pending.step == step and self.pending.after_device is not None
 
-    def _slice(self) -> list[int]:
-        """The next parameters (indices) whose copies fit in ``slice_bytes`` (at least one), rotating."""
+    def _slice(self) -> list[tuple[int, int, int]]:
+        """The next parameters whose copies fit in ``slice_bytes`` (at least one), rotating: (index, first, end
+        element of this rank's share). A share whose copies exceed ``max_bytes`` is audited a range at a time (a ZeRO
+        optimizer's flat partition, a huge embedding), so that one audit's host copy stays within it."""
         tracked = {id(p) for g in self._optimizer.param_groups for p in g["params"]}
         order = [i for i in range(len(self._params)) if id(self._params[i]) in tracked
                  and self._params[i].grad is not None]
@@ -257,20 +262,40 @@ class UpdateAudit:
             if len(self._optimizer.param_groups) < self._groups or (self._own and len(tracked) < len(self._params)):
                 return []  # a ZeRO optimizer steps one group at a time: the cursor's group comes later
             start = 0
-        chosen: list[int] = []
+        if order[start] != self._cursor:
+            self._offset = 0
+        chosen: list[tuple[int, int, int]] = []
         used = 0
         for k in range(len(order)):
             i = order[(start + k) % len(order)]
             p = self._local(self._params[i])
             state = self._optimizer.state.get(self._params[i], {})
-            size = p.numel() * p.element_size() * (2 + sum(isinstance(v, torch.Tensor) and v.numel() > 1
-                                                           for v in state.values()))
-            if chosen and used + size > self._slice_bytes:
+            per = p.element_size() * (2 + sum(isinstance(v, torch.Tensor) and v.numel() > 1 for v in state.values()))
+            lo = self._offset if k == 0 else 0
+            n = p.numel() - lo
+            if self._max_bytes is not None and n * per > self._max_bytes:
+                if chosen:
+                    break
+                n = max(1, self._max_bytes // max(per, 1))  # a range of this share fills the slice
+            elif chosen and used + n * per > self._slice_bytes:
                 break
-            chosen.append(i)
-            used += size
-        self._cursor = chosen[-1] + 1 if chosen[-1] + 1 < len(self._params) else 0
+            chosen.append((i, lo, lo + n))
+            used += n * per
+        i, _, end = chosen[-1]
+        if end < self._local(self._params[i]).numel():
+            self._cursor, self._offset = i, end  # the rest of this share comes first in the next audit
+        else:
+            self._cursor, self._offset = (i + 1 if i + 1 < len(self._params) else 0), 0
         return chosen
+
+    def _part(self, t: torch.Tensor, chosen: tuple[int, int, int]) -> torch.Tensor:
+        """The audited range of ``t`` (this rank's share of parameter ``chosen[0]``, or a state tensor of its size;
+        anything else, such as a step count, whole)."""
+        local = self._local(t)
+        i, lo, end = chosen
+        if local.numel() != self._local(self._params[i]).numel() or (lo == 0 and end == local.numel()):
+            return local
+        return local.reshape(-1)[lo:end]
 
     def before_update(self, step: int) -> None:
         """Optimizer pre-hook after step ``step``'s block: when that update is audited, copy the slice as the update
@@ -285,24 +310,27 @@ class UpdateAudit:
         group_of = {id(p): g for g in self._optimizer.param_groups for p in g["params"]}
         host = torch.device("cpu")
 
-        def copy(t: torch.Tensor) -> torch.Tensor:
-            return self._local(t).detach().to(host, copy=True)
-
-        params, grads, states, hyper = [], [], [], []
-        for i in chosen:
+        params, grads, states, hyper, names = [], [], [], [], []
+        for c in chosen:
+            i, lo, end = c
             p = self._params[i]
+
+            def copy(t: torch.Tensor, c: tuple[int, int, int] = c) -> torch.Tensor:
+                return self._part(t, c).detach().to(host, copy=True)
+
             params.append(copy(p))
             grads.append(None if p.grad is None else copy(p.grad))
             states.append({k: copy(v) if isinstance(v, torch.Tensor) else v
                            for k, v in self._optimizer.state.get(p, {}).items()})
             hyper.append(_hyper(group_of[id(p)], [p]))
+            whole = lo == 0 and end == self._local(p).numel()
+            names.append(self._names[i] if whole else f"{self._names[i]}[{lo}:{end}]")
         # A GradScaler unscales inside a fused step: it sets these on the optimizer around the call.
         scaling = {k: v.detach().to(host, copy=True) for k in ("grad_scale", "found_inf")
                    if isinstance(v := getattr(self._optimizer, k, None), torch.Tensor)}
         cls = type(self._optimizer)
-        self.pending = Slice(step=step, cls=f"{cls.__module__}.{cls.__qualname__}",
-                             names=[self._names[i] for i in chosen], params=params, grads=grads, states=states,
-                             hyper=hyper, scaling=scaling)
+        self.pending = Slice(step=step, cls=f"{cls.__module__}.{cls.__qualname__}", names=names, params=params,
+                             grads=grads, states=states, hyper=hyper, scaling=scaling)
         self._chosen = chosen
 
     def after_update(self, step: int) -> None:
@@ -310,9 +338,9 @@ class UpdateAudit:
         s = self.pending
         if s is None or s.step != step or s.after_device is not None:
             return
-        params = [self._local(self._params[i]).detach() for i in self._chosen]
-        states = [{k: self._local(v) if isinstance(v, torch.Tensor) else v
-                   for k, v in self._optimizer.state.get(self._params[i], {}).items()} for i in self._chosen]
+        params = [self._part(self._params[c[0]], c).detach() for c in self._chosen]
+        states = [{k: self._part(v, c) if isinstance(v, torch.Tensor) else v
+                   for k, v in self._optimizer.state.get(self._params[c[0]], {}).items()} for c in self._chosen]
         s.labels, s.after_device = _fingerprints(params, states, s.names)
 
     def audit(self, step: int, pos: int, origin_of: Sequence[int], ranks: Sequence[int], group: Any,

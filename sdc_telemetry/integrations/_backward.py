@@ -53,7 +53,13 @@ class WrappedBackward:
         self._own_backward = "backward" in vars(owner)
         owner.backward = self._wrap(backward)
 
-    def _scale(self, kwargs: dict[str, Any]) -> tuple[float, Any]:
+    @classmethod
+    def free(cls, owner: Any) -> None:
+        """Refuse an owner that already has this kind of wrapper attached (before any monitor is built for it)."""
+        if getattr(getattr(owner, "backward", None), cls.marker, None) is not None:
+            raise ValueError(f"this {type(owner).__name__} already has an {cls.__name__} attached: close() it first")
+
+    def _scale(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float, Any]:
         raise NotImplementedError
 
     def _ends_step(self, before: bool | None) -> bool:
@@ -73,7 +79,7 @@ class WrappedBackward:
             if step is None:
                 raise RuntimeError(f"{self.call} ran with no micro-batch registered: call run.micro_batch(batch) "
                                    f"({type(self).__name__}) before each micro-batch's forward pass")
-            scale, scaler = self._scale(kwargs)
+            scale, scaler = self._scale(args, kwargs)
             step.record_loss(loss, scale=scale, scaler=scaler)
             before = self._ends_step(None)
             try:

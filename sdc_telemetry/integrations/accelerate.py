@@ -88,6 +88,7 @@ class SDCAccelerate(WrappedBackward):
         if kind == "FSDP" and not getattr(accelerator, "is_fsdp2", False):
             raise ValueError("SDCAccelerate supports Accelerate's FSDP plugin with fsdp_version=2 (fully_shard), "
                              "not FSDP1")
+        self.free(accelerator)
         self.accelerator = accelerator
         monitor = SDCMonitor(model, optimizer, loss_fn=loss_fn, config=config, start_step=start_step,
                              observer=observer)
@@ -99,7 +100,7 @@ class SDCAccelerate(WrappedBackward):
             raise
         super().__init__(accelerator, monitor)
 
-    def _scale(self, kwargs: dict[str, Any]) -> tuple[float, Any]:
+    def _scale(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float, Any]:
         """What Accelerate's backward does to the loss: divide by the accumulation steps, then its scaler."""
         return 1.0 / self.accelerator.gradient_accumulation_steps, self.accelerator.scaler
 

@@ -60,20 +60,27 @@ class SDCDeepSpeed(WrappedBackward):
                             f"{type(engine).__name__}")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(module, batch), got {type(loss_fn).__name__}")
+        self.free(engine)
         self.engine = engine
         monitor = SDCMonitor(engine, engine.optimizer, loss_fn=loss_fn, config=config, start_step=start_step,
                              observer=observer)
         self._layout = monitor.layout  # parallel.deepspeed.DeepSpeedZeRO: its hooks measure while ``armed``
         super().__init__(engine, monitor)
 
-    def _scale(self, kwargs: dict[str, Any]) -> tuple[float, Any]:
-        """What DeepSpeed's backward does to the loss: divide by the accumulation steps (``scale_wrt_gas``)."""
+    def _scale(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float, Any]:
+        """What DeepSpeed's backward does to the loss: divide by the accumulation steps (``scale_wrt_gas``, its
+        third parameter after ``retain_graph``)."""
         gas = self.engine.gradient_accumulation_steps()
-        return (1.0 / gas if kwargs.get("scale_wrt_gas", True) else 1.0), None
+        by_gas = kwargs.get("scale_wrt_gas", args[1] if len(args) > 1 else True)
+        return (1.0 / gas if by_gas else 1.0), None
 
     def _ends_step(self, before: bool | None) -> bool:
-        # Asked before the backward (DeepSpeed counts micro-steps in engine.step()): the boundary micro-batch's.
-        return bool(self.engine.is_gradient_accumulation_boundary()) if before is None else before
+        # Asked before the backward (DeepSpeed counts micro-steps in engine.step()): the boundary micro-batch's, unless
+        # it runs inside engine.no_sync() (nothing is reduced then).
+        if before is None:
+            return bool(self.engine.is_gradient_accumulation_boundary()) \
+                and not getattr(self.engine, "inside_no_sync_ctxt", False)
+        return before
 
     @contextmanager
     def _around(self) -> Iterator[None]:

@@ -5,7 +5,7 @@ the model's type. Adapters: ``single`` (one process), ``ddp`` (DistributedDataPa
 1-D mesh), ``hsdp`` (fully_shard on a 2-D (replicate, shard) mesh), ``mesh`` (N-D: tensor and context parallelism
 with FSDP2/HSDP on one DeviceMesh), ``pipeline`` (``torch.distributed.pipelining`` stages, one or several per rank,
 their modules DDP-wrapped or fully_shard-ed over their data-parallel group), ``deepspeed`` (a DeepSpeed engine,
-ZeRO stages 0 to 2).
+ZeRO stages 0 to 3).
 """
 
 from __future__ import annotations

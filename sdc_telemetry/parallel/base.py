@@ -143,6 +143,9 @@ class Layout:
         the optimizer's own copies (a ZeRO optimizer's fp32 partitions)."""
         return list(named), True
 
+    #: the replay may fall back to recomputing through ``.grad`` (saved and restored) where ``autograd.grad`` is
+    #: refused (reentrant activation checkpointing); False where accumulating into ``.grad`` fires a framework's hooks
+    grad_fields = True
     #: the optimizer's step runs its torch optimizer once per parameter group (a ZeRO optimizer): the step
     #: post-hook fires several times per update
     steps_in_parts = False

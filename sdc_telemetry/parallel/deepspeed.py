@@ -23,8 +23,10 @@ What each check reads (nothing here imports DeepSpeed: the engine and its ZeRO o
   and backward: every rank recomputes at once (``lockstep``), each its partner's micro-batch, so that the gathers
   line up (``recompute.by_grad``: the lockstep replay still runs ``autograd.grad``).
 
-Refused by name: fp16 (DeepSpeed's dynamic loss scaler), pipeline engines, optimizer or parameter offload, bf16 at
-stage 0 (DeepSpeed's own ``BF16_Optimizer``).
+Refused by name: fp16 (DeepSpeed's dynamic loss scaler) and torch_autocast, pipeline engines, MoE layers, model,
+sequence or AutoTP parallelism, optimizer or parameter offload, unmanaged gradient accumulation, bf16 at stage 0
+(DeepSpeed's own ``BF16_Optimizer``). A reentrant activation checkpoint makes the replay an error (``grad_fields``):
+a recomputation through ``.grad`` would fire DeepSpeed's reduction hooks.
 """
 
 from __future__ import annotations
@@ -51,6 +53,20 @@ def _refusal(engine: Any) -> str | None:
     if type(engine).__name__ != "DeepSpeedEngine":
         return f"{type(engine).__name__} (a pipeline engine) is not supported: only deepspeed.DeepSpeedEngine"
     stage = engine.zero_optimization_stage()
+    if getattr(engine, "has_moe_layers", False):
+        return ("DeepSpeed MoE layers are not supported (expert weights differ across the data-parallel group and "
+                "their partitions live in expert groups)")
+    for what, size in (("model (tensor) parallelism", getattr(engine, "mp_world_size", 1)),
+                       ("sequence parallelism", getattr(engine, "sequence_parallel_size", 1)),
+                       ("AutoTP", engine.autotp_size() if callable(getattr(engine, "autotp_size", None)) else 0)):
+        if (size or 1) > 1:
+            return f"DeepSpeed {what} of size {size} is not supported: data parallelism only"
+    if callable(getattr(engine, "managed_gradient_accumulation", None)) and not engine.managed_gradient_accumulation():
+        return ("unmanaged gradient accumulation (the reduction runs in engine.step(), after the checks) is not "
+                "supported")
+    if callable(getattr(engine, "torch_autocast_enabled", None)) and engine.torch_autocast_enabled():
+        return ("DeepSpeed's torch_autocast is not supported yet (the replay recomputes on engine.module, outside the "
+                "engine's autocast): use DeepSpeed's bf16 instead")
     if engine.fp16_enabled():
         return "fp16 with DeepSpeed's dynamic loss scaler is not supported yet: use bf16 or fp32"
     zero = engine.optimizer
@@ -139,6 +155,10 @@ class DeepSpeedZeRO(Layout):
                 "compares one step's whole local gradients, which ZeRO never holds at once: the replay is skipped, "
                 "the gradient, weight, at-rest and update checks run")
 
+    #: the replay may not recompute through ``.grad`` (reentrant activation checkpointing's fallback): a real
+    #: backward would fire DeepSpeed's reduction hooks
+    grad_fields = False
+
     # -- local gradients ---------------------------------------------------------------------------------------------
 
     def install(self, sink: GradSink, *, reduced_checks: bool = True) -> None:
@@ -194,13 +214,14 @@ class DeepSpeedZeRO(Layout):
                 continue
             # Stage 3: one partition-shaped piece per parameter of the sub-group, every parameter
             inside = zero.fp16_groups[g] if self.stage == 3 else zero.params_in_partition[g]
-            pieces = list(held)
             # One piece per parameter of the partition, cut to it (the first from ``first_offset``, the last at the
-            # partition's end), then the last partition's zero padding.
+            # partition's end). Padding: marked where DeepSpeed aligns parameters (between pieces and at the end),
+            # unmarked as the last partition's tail otherwise (after every piece).
+            pieces = [t for t in held if not getattr(t, "_zero_padding", False)]
             if len(pieces) < len(inside):
                 raise RuntimeError(f"ZeRO's averaged gradients of group {g}: {len(pieces)} tensors for "
                                    f"{len(inside)} parameters in the partition")
-            out += [(index[id(p)], t) for p, t in zip(inside, pieces, strict=False) if id(p) in index]
+            out += [(index[id(p)], t) for p, t in zip(inside, pieces[:len(inside)], strict=True) if id(p) in index]
         return out
 
     # -- the optimizer's own tensors ---------------------------------------------------------------------------------

@@ -45,14 +45,15 @@ def train(config: sdc.SDCConfig | None, *, stage: int = 2, steps: int = 4, accum
           groups: int = 1, flip: tuple[int, int] | None = None, perturb: tuple[int, int] | None = None,
           nan_at: tuple[int, int] | None = None, wrong_update: tuple[int, int] | None = None,
           at_rest: tuple[int, int, str] | None = None, refuse: int | None = None,
-          certify: str | None = None) -> dict[str, Any]:
+          certify: str | None = None, reentrant: bool = False) -> dict[str, Any]:
     """``steps`` optimizer steps of ``accumulate`` micro-batches each; ``config`` None trains without the monitor.
     ``groups`` 2: weight decay on the weights only (two parameter groups, which ZeRO steps one at a time).
     Faults, each (rank, step): ``flip`` a bit of the module's first-layer weight; ``perturb`` the first layer's
     output by 1e-3; ``nan_at`` (rank, micro-batch) a NaN sample; ``wrong_update`` a faulty optimizer kernel on that
     rank from that step on; ``at_rest`` (rank, step, what) a bit of that rank's fp32 partition (``"param"``) or of
     its first Adam moment (``"exp_avg"``) flipped before step ``step``'s forward pass. ``refuse``: build a bf16
-    engine at that ZeRO stage and return what SDCDeepSpeed says of it. ``certify``: a directory: after training,
+    engine at that ZeRO stage and return what SDCDeepSpeed says of it. ``reentrant``: the model under reentrant
+    activation checkpointing. ``certify``: a directory: after training,
     certify the weights (every rank), save DeepSpeed's checkpoint there (ZeRO-3: its 16-bit consolidated model too)
     and verify what was saved against the certificate."""
     import deepspeed
@@ -61,8 +62,10 @@ def train(config: sdc.SDCConfig | None, *, stage: int = 2, steps: int = 4, accum
         return _refused(refuse)
 
     torch.manual_seed(0)  # the same initial weights on every rank
-    net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 32), nn.GELU(),
-                        nn.Linear(32, 4))
+    net: nn.Module = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 32), nn.GELU(),
+                                   nn.Linear(32, 4))
+    if reentrant:
+        net = _Reentrant(net)  # type: ignore[arg-type]
     params: Any = net.parameters()
     if groups == 2:
         params = [{"params": [p for n, p in net.named_parameters() if n.endswith("weight")]},
@@ -136,6 +139,20 @@ def train(config: sdc.SDCConfig | None, *, stage: int = 2, steps: int = 4, accum
     return summary(run.incidents, counter, raised, global_step=updates, closed=run.monitor.closed,
                    verdicts=[i.evidence.get("verdict") for i in run.incidents],
                    evidence=[i.evidence for i in run.incidents], **out)
+
+
+class _Reentrant(nn.Module):
+    """The MLP with all but its first layer under reentrant activation checkpointing, as transformer blocks are:
+    the checkpoint runs its own backward into .grad and refuses autograd.grad()."""
+
+    def __init__(self, body: nn.Sequential) -> None:
+        super().__init__()
+        self.first = body[0]
+        self.rest = nn.Sequential(*list(body)[1:])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.utils.checkpoint.checkpoint(self.rest, self.first(x), use_reentrant=True)
+        return out
 
 
 def _certify(engine: Any, run: SDCDeepSpeed, where: str, stage: int) -> list[str]:

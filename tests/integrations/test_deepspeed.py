@@ -53,6 +53,8 @@ PLAN: list[dict[str, Any]] = [
     {"config": sdc.SDCConfig(weights_every=1, replay_every=0, **QUIET), "nan_at": (1, 2), "stage": 3},  # 21
     {"config": HEALTHY, "certify": True},                                        # 22: a directory per run
     {"config": HEALTHY, "certify": True, "stage": 3},                            # 23
+    {"config": None, "reentrant": True},                                         # 24: reentrant checkpointing
+    {"config": HEALTHY, "reentrant": True},                                      # 25
 ]
 DS_ENV = {"DS_ACCELERATOR": "cpu"}
 
@@ -182,3 +184,15 @@ def test_deepspeeds_own_checkpoint_is_certified_and_verified(runs: list[list[dic
     for rank, r in enumerate(_each(runs, index)):
         assert r["incidents"] == [] and r["raised"] is None, f"rank {rank}: {r}"
         assert r["verified"] == ["|", "3.weight"], r["verified"]
+
+
+def test_reentrant_checkpointing_makes_the_replay_an_error_and_leaves_training_alone(
+        runs: list[list[dict[str, Any]]]) -> None:
+    """Reentrant activation checkpointing refuses autograd.grad(), and recomputing through .grad would fire ZeRO's
+    reduction hooks: both replays are counted as errors (never passes, never a hang), every other check runs and
+    passes, and training ends bit for bit as without the monitor."""
+    for baseline, r in zip(_each(runs, 24), _each(runs, 25), strict=True):
+        res = r["results"]
+        assert res[("replay", "error")] == 2 and ("replay", "pass") not in res, res
+        assert res[("grad_local", "pass")] == 4 and res[("weights", "pass")] == 4 and res[("update", "pass")] == 2
+        assert r["incidents"] == [] and r["weights"] == baseline["weights"]

@@ -103,6 +103,35 @@ def test_slices_rotate_and_a_local_rerun_reproduces_each() -> None:
         assert seen == [["0.weight"], ["0.bias"], ["1.weight"], ["1.bias"], ["0.weight"]]
 
 
+def test_a_share_larger_than_the_cap_is_audited_a_range_at_a_time() -> None:
+    """One flat tensor (a ZeRO optimizer's partition) whose copies exceed max_bytes: each audit takes the next range
+    of it, within the cap, wrapping at its end; the rerun of each range (AdamW with its moments) reproduces what the
+    step applied there, and a wrong update of one element shows in the range that holds it only."""
+    torch.manual_seed(0)
+    part = nn.Parameter(torch.randn(100))
+    opt = torch.optim.AdamW([part], lr=0.1)
+    audit = U.UpdateAudit(["zero.fp32_partition.group0"], [part], opt, lambda t: t, 1, slice_bytes=10**6,
+                          own=True, max_bytes=16 * 40)  # AdamW: 16 bytes an element once its moments exist
+    seen = []
+    for step in range(5):
+        part.grad = torch.randn(100)
+        audit.before_update(step)
+        opt.step()
+        if step >= 2:
+            with torch.no_grad():
+                part[45] += 1e-3  # a faulty unit: element 45 of what the update wrote, from step 2 on
+        audit.after_update(step)
+        s = audit.pending
+        assert s is not None and s.after_device is not None
+        s.after = [tuple(r) for r in s.after_device.tolist()]
+        labels, rows = U.rerun(s, torch.device("cpu"))
+        seen.append((s.names, labels == s.labels and rows == s.after))
+    # step 0: no moments yet (8 bytes an element: 80 elements); then 40 at a time
+    assert seen == [(["zero.fp32_partition.group0[0:80]"], True), (["zero.fp32_partition.group0[80:100]"], True),
+                    (["zero.fp32_partition.group0[0:40]"], True), (["zero.fp32_partition.group0[40:80]"], False),
+                    (["zero.fp32_partition.group0[80:100]"], True)]
+
+
 def _local_audit(model: nn.Module, opt: torch.optim.Optimizer) -> U.UpdateAudit:
     named = list(model.named_parameters())
     audit = U.UpdateAudit([n for n, _ in named], [p for _, p in named], opt, lambda t: t, 1, slice_bytes=1 << 20)
