@@ -135,19 +135,20 @@ def test_accelerate_example_keeps_a_bad_sample_out_of_the_weights() -> None:
                               "incidents: [(5, 'grad_local', 'data', [])]")
 
 
-@pytest.mark.parametrize("verdicts", ["immediate", "deferred"])
-def test_deepspeed_example_names_a_bad_sample_as_data_and_a_wrong_update_by_its_rank(verdicts: str) -> None:
-    """The DeepSpeed loop (engine.backward and engine.step kept) at ZeRO-2 on 2 torchrun ranks, with verdicts decided
-    before the update or read one step later: a NaN in one sample of the last rank's batch at step 5 is data (nobody
-    named, training goes on to the end); on 3 ranks at ZeRO-3, a faulty optimizer kernel on the last rank from step
-    3 on, in the partition no other rank holds, is named alone by the update audit of step 4's update and every rank
-    exits 75 (on 2 ranks each recomputes the other's update: both would be named, ambiguous)."""
+def test_deepspeed_example_names_a_bad_sample_as_data_and_a_wrong_update_by_its_rank() -> None:
+    """The DeepSpeed loop (engine.backward and engine.step kept) under torchrun, one launch per verdict path: at ZeRO-2
+    on 2 ranks with verdicts decided before the update, a NaN in one sample of the last rank's batch at step 5 is
+    data (nobody named, training goes on to the end); at ZeRO-3 on 3 ranks with verdicts read one step later, a
+    faulty optimizer kernel on the last rank from step 3 on, in the partition no other rank holds, is named alone by
+    the update audit of step 4's update and every rank exits 75 (on 2 ranks each recomputes the other's update: both
+    would be named, ambiguous)."""
     pytest.importorskip("deepspeed")
-    env = {"SDC_VERDICTS": verdicts, "DS_ACCELERATOR": "cpu",
+    env = {"DS_ACCELERATOR": "cpu",
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))}
-    proc = torchrun("deepspeed_train.py", "--steps", "8", "--nan-at", "5", env=env)
+    proc = torchrun("deepspeed_train.py", "--steps", "8", "--nan-at", "5", env={**env, "SDC_VERDICTS": "immediate"})
     assert_finished(proc, "8 steps at ZeRO stage 2; incidents: [(5, 'grad_local', 'data', [])]")
-    proc = torchrun("deepspeed_train.py", "--steps", "8", "--zero", "3", "--wrong-update", "3", ranks=3, env=env)
+    proc = torchrun("deepspeed_train.py", "--steps", "8", "--zero", "3", "--wrong-update", "3", ranks=3,
+                    env={**env, "SDC_VERDICTS": "deferred"})
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and sorted(EXITCODE.findall(out)) == ["75", "75", "75"], out[-3000:]
     # step 4's update is audited (replay_every=4) at the end of step 5, where the checks of step 5 run
