@@ -104,13 +104,16 @@ class StepMeasurer:
                     if mismatch is not None:
                         on_device[S.REDUCED_CHECKSUM] = mismatch
                         norms[3] = mismatch
-                    held = layout.reduced(self._params) if record.reduced is None else []
-                    per_param = record.reduced if record.reduced is not None else \
-                        grad_check.reduced_norms(len(self._params), held, self.device)
+                    per_param = record.reduced
+                    reduced_here = per_param is not None
+                    if per_param is None:
+                        held = layout.reduced(self._params)
+                        per_param = grad_check.reduced_norms(len(self._params), held, self.device)
+                        reduced_here = bool(held)
                     reduced_norm = torch.linalg.vector_norm(per_param)
                     reduced_s = time.perf_counter() - t
                     # Reduced this step: the reduction's tap ran (stale .grad from an earlier step is not a pass).
-                    host[S.REDUCED_MEASURED] = int(record.measured and (record.reduced is not None or bool(held)))
+                    host[S.REDUCED_MEASURED] = int(record.measured and reduced_here)
                     nonfinite[1] = ~torch.isfinite(reduced_norm)
                     norms[1] = reduced_norm
             host[S.REPLAYABLE] = int(self._replay is not None and self._replay.ready())

@@ -169,11 +169,11 @@ class SDCMonitor:
                               "of a shard's replicas (Layout.digest_group) to compare their weights in")
         # Each rank's own tensors between the update and the weight check: where no replica holds them, and to
         # referee two replicas (checks/at_rest.py).
-        updated, own = layout.updated(every, optimizer)
-        read = layout.local if own else _as_held
+        updated, of_module = layout.updated(every, optimizer)
+        read = layout.local if of_module else _as_held
         self._at_rest = AtRestCheck([n for n, _ in updated], [p for _, p in updated], optimizer, read,
-                                    table_rows=own) if self.config.weights_every else None
-        self._update = self._plan_update_audit(optimizer, updated, classes, read, own=not own)
+                                    table_rows=of_module) if self.config.weights_every else None
+        self._update = self._plan_update_audit(optimizer, updated, classes, read, own=not of_module)
         reason = layout.weights_off_reason()
         if replicas and reason and self.config.weights_every and self._writer:
             log.warning("sdc_telemetry: %s; the at-rest check still compares each rank's own shards between the "

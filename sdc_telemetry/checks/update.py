@@ -231,7 +231,6 @@ class UpdateAudit:
         self._slice_bytes = slice_bytes
         self._max_bytes = max_bytes  # one share larger than this is audited a range at a time
         self._cursor = 0               # where the next slice starts (rotates through the parameters)
-        self._groups = len(optimizer.param_groups)
         # ``params`` are the optimizer's own tensors, every one of them stepped each update (a ZeRO optimizer's
         # partitions); False: the module's parameters, of which the optimizer may hold only some
         self._own = own
@@ -259,7 +258,7 @@ class UpdateAudit:
             return []
         start = next((k for k, i in enumerate(order) if i >= self._cursor), None)
         if start is None:
-            if len(self._optimizer.param_groups) < self._groups or (self._own and len(tracked) < len(self._params)):
+            if self._own and len(tracked) < len(self._params):
                 return []  # a ZeRO optimizer steps one group at a time: the cursor's group comes later
             start = 0
         if order[start] != self._cursor:

@@ -110,6 +110,7 @@ class DeepSpeedZeRO(Layout):
         self._handles: list[Any] = []
         self._sink: GradSink | None = None
         self._folded: torch.Tensor | None = None  # gas > 1: the step's per-parameter norms so far
+        self._count = 0  # the parameters the hooks measure (install)
         self._generation = -1
 
     @property
