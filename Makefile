@@ -15,7 +15,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[dev,ops,lightning,transformers,postgres,torchtitan,deepspeed]'
+	$(PY) -m pip install -q -e '.[dev,ops,lightning,transformers,postgres,torchtitan,deepspeed,megatron]'
 	rm -rf $(DS_EXTENSIONS)
 	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(DS_EXTENSIONS) $(PY) -c \
 		"from deepspeed.comm.torch import build_shm_op; build_shm_op()"

@@ -99,7 +99,7 @@ class SDCMonitor:
         self._closed = True  # until construction succeeds: close() then does nothing
         self.layout = layout = layout_for(model, replica_group=replica_group, comm_hook=comm_hook,
                                           comm_state=comm_state, mesh=mesh, pipeline=pipeline)
-        optimizer = _unwrapped(optimizer)
+        optimizer = layout.torch_optimizer(optimizer)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
@@ -184,7 +184,9 @@ class SDCMonitor:
                                    recompute=layout.recompute if layout.lockstep else None, every_step=triggers,
                                    units=layout.replay_units(), rerun=getattr(layout, "rerun", None),
                                    classes=classes, outputs=layout.stage_outputs(),
-                                   grad_fields=layout.grad_fields) \
+                                   grad_fields=layout.grad_fields, quiet=layout.recomputing,
+                                   rng=(layout.rng_state, layout.set_rng_state),
+                                   into=layout.accumulates_in(self._params)) \
             if replicas and (self.config.replay_every or triggers) and (loss_fn is not None or layout.pipelined) \
             else None
         if self._replay is not None and self._replay.alone and self._writer:
@@ -879,17 +881,3 @@ class SDCMonitor:
 def _as_held(t: torch.Tensor) -> torch.Tensor:
     """A tensor the optimizer updates as this rank holds it (a ZeRO optimizer's own partition)."""
     return t
-
-
-def _unwrapped(optimizer: Any) -> Any:
-    """The torch optimizer inside a framework's wrapper that subclasses ``Optimizer`` without its set-up (Accelerate's
-    ``AcceleratedOptimizer``: its ``step()`` calls the inner optimizer's, whose hooks the monitor registers), or inside
-    DeepSpeed's ZeRO optimizer (no ``Optimizer`` at all)."""
-    inner = getattr(optimizer, "optimizer", None)
-    if isinstance(optimizer, torch.optim.Optimizer) and isinstance(inner, torch.optim.Optimizer) \
-            and "_optimizer_step_post_hooks" not in vars(optimizer):
-        return inner
-    if not isinstance(optimizer, torch.optim.Optimizer) and isinstance(inner, torch.optim.Optimizer) \
-            and type(optimizer).__module__.startswith("deepspeed."):
-        return inner  # a ZeRO optimizer: the torch optimizer inside updates this rank's partitions
-    return optimizer

@@ -25,7 +25,7 @@ recomputation is redone, or, in lockstep, the audit is an error once).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,8 +75,11 @@ class _Stream:
     moment it is final (then dropped)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], device: torch.device, sketching: bool, micro: int,
-                 held: set[int]) -> None:
+                 held: set[int], into: Sequence[torch.dtype | None] | None = None) -> None:
         n = len(params)
+        # per parameter, the dtype its framework accumulates local gradients in when not the gradient's own
+        # (Megatron's fp32 main_grad of a bf16 parameter): each piece is cast to it, then summed there
+        self.into = into
         self.params = params
         self.device = device
         self.count = micro
@@ -114,6 +117,9 @@ class _Stream:
         """One accumulation (autograd.grad, a lockstep layout): summed as ``.grad`` sums, in place when ``owned``."""
         if not self._note(i):
             return
+        into = self.into[i] if self.into is not None else None
+        if into is not None and grad.dtype != into:
+            grad, owned = grad.to(into), True
         prev = self.acc[i]
         self.acc[i] = None
         if prev is None and had:
@@ -130,7 +136,13 @@ class _Stream:
             self.acc[i] = total
 
     def accumulated(self, i: int, p: torch.nn.Parameter) -> None:
-        """backward() into .grad: autograd accumulated into ``p.grad``; taken (and dropped) when final."""
+        """backward() into .grad: autograd accumulated into ``p.grad``; taken (and dropped) when final, or at once
+        where the framework accumulates in a dtype of its own (``into``)."""
+        if self.into is not None and self.into[i] is not None:
+            if p.grad is not None:
+                grad, p.grad = p.grad, None
+                self.piece(i, grad, owned=True)
+            return
         if self._note(i) and self._final_now(i) and p.grad is not None:
             grad, p.grad = p.grad, None
             self._take(i, grad)
@@ -178,7 +190,9 @@ class Recomputer:
     def __init__(self, module: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None,
                  params: Sequence[torch.nn.Parameter], device: torch.device, mode: str,
                  lockstep: Recompute | None = None, *, rerun: Callable[..., Any] | None = None,
-                 grad_fields: bool = True) -> None:
+                 grad_fields: bool = True, quiet: Callable[[], AbstractContextManager[None]] | None = None,
+                 rng: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
+                 into: Sequence[torch.dtype | None] | None = None) -> None:
         self._module = module
         self._loss_fn = loss_fn
         self._params = list(params)
@@ -188,6 +202,9 @@ class Recomputer:
         self.rerun = rerun  # a pipeline stage: the partner replica reruns the origin's whole schedule step
         self.through_grad_fields = False  # recompute through .grad (reentrant checkpointing), not autograd.grad
         self.grad_fields = grad_fields  # that fallback is allowed (Layout.grad_fields)
+        self._quiet = quiet or nullcontext  # the context it runs in (Layout.recomputing)
+        self._rng = rng  # a framework's own RNG states: (get, set) (Layout.rng_state, Layout.set_rng_state)
+        self._into = into  # per parameter: the dtype its local gradient accumulates in (Layout.accumulates_in)
         self.replaying = False  # a recomputation is running (the forward pre-hook must not capture it)
         self._held: set[int] = set()  # parameters whose gradient arrives in several pieces per backward
 
@@ -225,7 +242,7 @@ class Recomputer:
             return self._by_backward(micro, losses)
 
     def _stream(self, micro: Sequence[MicroBatch]) -> _Stream:
-        return _Stream(self._params, self._device, self.mode == "tolerance", len(micro), self._held)
+        return _Stream(self._params, self._device, self.mode == "tolerance", len(micro), self._held, self._into)
 
     def _lockstep(self, micro: Sequence[MicroBatch], losses: list[torch.Tensor]) -> Result:
         """FSDP2: forward and backward through the sharded model (every rank at once), gradient sync off, each
@@ -313,7 +330,8 @@ class Recomputer:
                 if p.requires_grad:
                     handles.append(p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                         lambda q, i=i: stream.accumulated(i, q)))
-            self._backward_each(micro, stream, losses)
+            with self._quiet():
+                self._backward_each(micro, stream, losses)
             for h in handles:
                 h.remove()
             handles.clear()
@@ -336,8 +354,14 @@ class Recomputer:
             losses.append(loss.detach().double())
             del loss
 
+    def framework_rng(self) -> Any:
+        """The framework's own RNG states now (captured with each micro-batch), None without any."""
+        return self._rng[0]() if self._rng is not None else None
+
     def _loss_of(self, mb: MicroBatch) -> torch.Tensor:
         """The micro-batch's loss under the origin's RNG and autocast state."""
+        if self._rng is not None and mb.framework_rng is not None:
+            self._rng[1](mb.framework_rng)
         torch.set_rng_state(mb.cpu_rng)
         if mb.dev_rng is not None and self._device.type == "cuda":
             torch.cuda.set_rng_state(mb.dev_rng, self._device)
@@ -353,6 +377,7 @@ class Recomputer:
         """Buffers and RNG states as they were before the recomputation, whatever happens in it."""
         cpu_rng = torch.get_rng_state()
         dev_rng = torch.cuda.get_rng_state(self._device) if self._device.type == "cuda" else None
+        framework_rng = self.framework_rng()
         buffers = [(b, b.detach().clone()) for b in self._module.buffers()]
         self.replaying = True
         try:
@@ -365,6 +390,8 @@ class Recomputer:
             torch.set_rng_state(cpu_rng)
             if dev_rng is not None:
                 torch.cuda.set_rng_state(dev_rng, self._device)
+            if self._rng is not None and framework_rng is not None:
+                self._rng[1](framework_rng)
 
     def _result(self, losses: list[torch.Tensor], stream: _Stream) -> Result:
         fps = stream.fps if stream.fps is not None else torch.zeros((len(self._params), 1), dtype=torch.int64,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,14 +65,17 @@ class ReplayCheck:
                  every_step: bool = False, units: tuple[list[int], list[int]] | None = None,
                  coordinate_of: Callable[[int], dict[str, int] | None] | None = None,
                  rerun: Callable[..., Any] | None = None, classes: Sequence[int] | None = None,
-                 outputs: Any = None, grad_fields: bool = True) -> None:
+                 outputs: Any = None, grad_fields: bool = True,
+                 quiet: Callable[[], AbstractContextManager[None]] | None = None,
+                 rng: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
+                 into: Sequence[torch.dtype | None] | None = None) -> None:
         if loss_fn is None and rerun is None:
             raise ValueError("replay needs loss_fn(module, batch) -> scalar loss")
         self._params = [p for _, p in named_params]
         # Layouts whose recomputation runs collectives (FSDP2): every rank recomputes at once, through ``recompute``.
         self._lockstep = recompute
         self._recomputer = Recomputer(module, loss_fn, self._params, device, mode, recompute, rerun=rerun,
-                                      grad_fields=grad_fields)
+                                      grad_fields=grad_fields, quiet=quiet, rng=rng, into=into)
         self._group = group
         self._ranks = list(ranks)
         self._pos = self._ranks.index(dist.get_rank())
@@ -201,7 +204,8 @@ class ReplayCheck:
             self._micro.append(MicroBatch(None, torch.empty(0), None, None))  # counts micro-batches only
             return
         dev_rng = torch.cuda.get_rng_state(self._device) if self._device.type == "cuda" else None
-        self._micro.append(MicroBatch(batch, torch.get_rng_state(), dev_rng, autocast_state(self._device)))
+        self._micro.append(MicroBatch(batch, torch.get_rng_state(), dev_rng, autocast_state(self._device),
+                                      framework_rng=self._recomputer.framework_rng()))
 
     def _on_forward(self, *_: Any) -> None:
         """Forward pre-hook of the module: the autocast state the forward pass really runs under (users enter

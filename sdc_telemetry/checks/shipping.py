@@ -103,6 +103,8 @@ class MicroBatch:
     # Which parameters already had a .grad when this micro-batch's backward ran: autograd then adds into it
     # (0.0 + g turns -0.0 into +0.0), and the replay must add the same way to reproduce the bits.
     had_grad: list[bool] | None = None
+    # A framework's own RNG states, captured with the others (Megatron's RNG tracker: ``Layout.rng_state``).
+    framework_rng: Any = None
 
 
 _DEV = "__sdc_device_tensor__"
@@ -152,7 +154,8 @@ def pack(record: dict[str, Any]) -> torch.Tensor:
     as tagged host copies, made together; they land on the receiver's device."""
     moved: list[tuple[dict[str, Any], torch.Tensor]] = []
     micro = _off_device([{"batch": _to_plain(m.batch), "cpu_rng": m.cpu_rng, "dev_rng": m.dev_rng, "scale": m.scale,
-                          "loss": m.loss, "grad_scale": m.grad_scale, "had_grad": m.had_grad,
+                          "framework_rng": m.framework_rng, "loss": m.loss, "grad_scale": m.grad_scale,
+                          "had_grad": m.had_grad,
                           "autocast": None if m.autocast is None else
                           (m.autocast[0], str(m.autocast[1]).removeprefix("torch."))} for m in record["micro"]],
                         moved)
@@ -194,7 +197,8 @@ def unpack(data: torch.Tensor, device: torch.device) -> dict[str, Any]:
                          had_grad=m["had_grad"], grad_scale=m["grad_scale"],
                          autocast=None if m["autocast"] is None else (m["autocast"][0],
                                                                       getattr(torch, m["autocast"][1])),
-                         scale=m["scale"], loss=m["loss"]) for m in plain["micro"]]
+                         scale=m["scale"], loss=m["loss"], framework_rng=m["framework_rng"])
+             for m in plain["micro"]]
     sk = plain.get("sketch")
     return {"fp": plain["fp"], "norms": plain["norms"], "sketch": sk, "micro": micro, "outputs": plain.get("outputs"),
             "extra": plain.get("extra")}

@@ -5,7 +5,8 @@ the model's type. Adapters: ``single`` (one process), ``ddp`` (DistributedDataPa
 1-D mesh), ``hsdp`` (fully_shard on a 2-D (replicate, shard) mesh), ``mesh`` (N-D: tensor and context parallelism
 with FSDP2/HSDP on one DeviceMesh), ``pipeline`` (``torch.distributed.pipelining`` stages, one or several per rank,
 their modules DDP-wrapped or fully_shard-ed over their data-parallel group), ``deepspeed`` (a DeepSpeed engine,
-ZeRO stages 0 to 3).
+ZeRO stages 0 to 3), ``megatron`` (Megatron-core's DistributedDataParallel, with its distributed optimizer and
+tensor parallelism).
 """
 
 from __future__ import annotations
@@ -58,6 +59,15 @@ def layout_for(model: Any, *, replica_group: dist.ProcessGroup | None = None,
             raise ValueError("comm_hook=, replica_group= and mesh= do not apply to a DeepSpeed engine: its groups "
                              "come from the engine")
         return deepspeed.DeepSpeedZeRO(model)
+    from sdc_telemetry.parallel import megatron
+
+    if megatron.is_megatron_ddp(model):
+        if not initialised:
+            raise RuntimeError("SDCMonitor needs Megatron-core's initialised process groups")
+        if comm_hook is not None or replica_group is not None or mesh is not None:
+            raise ValueError("comm_hook=, replica_group= and mesh= do not apply to Megatron-core's "
+                             "DistributedDataParallel: its groups come from the model")
+        return megatron.MegatronDDP(model)
 
     if fsdp.is_fully_sharded(model) or (mesh is not None and initialised):
         if not initialised:

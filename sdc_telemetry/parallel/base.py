@@ -26,6 +26,7 @@ Adding a parallelism means adding an adapter module here and one line in ``layou
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -149,6 +150,39 @@ class Layout:
     #: the optimizer's step runs its torch optimizer once per parameter group (a ZeRO optimizer): the step
     #: post-hook fires several times per update
     steps_in_parts = False
+
+    def recomputing(self) -> AbstractContextManager[None]:
+        """A context the replay's recomputation through ``.grad`` runs in (the fallback for reentrant activation
+        checkpointing): a layout whose framework acts on accumulated gradients quiets that here. Nothing by
+        default."""
+        return nullcontext()
+
+    def accumulates_in(self, params: Sequence[torch.nn.Parameter]) -> list[torch.dtype | None] | None:
+        """Per parameter, the dtype the framework accumulates its local gradient in where it is not the gradient's
+        own (the replay casts each recomputed piece to it before summing, as the framework does), or None: every
+        gradient accumulates in its own dtype."""
+        return None
+
+    def rng_state(self) -> Any:
+        """A framework's own RNG states (captured with each micro-batch for the replay, restored for its
+        recomputation), or None: torch's CPU and device generators are captured anyway."""
+        return None
+
+    def set_rng_state(self, state: Any) -> None:
+        """Restore what ``rng_state`` returned."""
+
+    def torch_optimizer(self, optimizer: Any) -> Any:
+        """The torch optimizer that updates this rank's tensors, inside a framework's wrapper: Accelerate's
+        ``AcceleratedOptimizer`` (an ``Optimizer`` subclass without its set-up, whose ``step()`` calls the inner
+        optimizer's) or DeepSpeed's ZeRO optimizer (no ``Optimizer`` at all); ``optimizer`` itself otherwise."""
+        inner = getattr(optimizer, "optimizer", None)
+        if isinstance(optimizer, torch.optim.Optimizer) and isinstance(inner, torch.optim.Optimizer) \
+                and "_optimizer_step_post_hooks" not in vars(optimizer):
+            return inner
+        if not isinstance(optimizer, torch.optim.Optimizer) and isinstance(inner, torch.optim.Optimizer) \
+                and type(optimizer).__module__.startswith("deepspeed."):
+            return inner
+        return optimizer
 
     @property
     def optimizer_replicas(self) -> bool:
