@@ -486,6 +486,14 @@ class SDCMonitor:
         if self._replay is not None:
             self._replay.drop()
 
+    def withdraw_step(self) -> None:
+        """Close the open step unchecked and give its index back, on every rank alike: nothing of it was measured
+        (an evaluation pass registered micro-batches and ran no backward)."""
+        self._open = False
+        self._next_step = self._step
+        if self._replay is not None:
+            self._replay.drop()
+
     def abandon_step(self) -> None:
         """The step's block raised on this rank: no checks (the other ranks' collectives cannot be matched)."""
         self._open = False

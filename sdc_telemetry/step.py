@@ -29,6 +29,8 @@ class StepDriver(Protocol):
 
     def discard_step(self) -> None: ...
 
+    def withdraw_step(self) -> None: ...
+
     def end_step(self) -> None: ...
 
     def step_finite(self, index: int) -> bool: ...
@@ -111,6 +113,14 @@ class StepContext:
         self._active = False
         self._done = True
         self._monitor.discard_step()
+
+    def withdraw(self) -> None:
+        """Close the step unchecked and give its index back, every rank alike: it registered micro-batches but no
+        backward ran (a framework's evaluation pass through the training's forward function)."""
+        self._require_active("withdraw")
+        self._active = False
+        self._done = True
+        self._monitor.withdraw_step()
 
     @property
     def finite(self) -> bool:

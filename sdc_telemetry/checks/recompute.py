@@ -77,8 +77,8 @@ class _Stream:
     def __init__(self, params: Sequence[torch.nn.Parameter], device: torch.device, sketching: bool, micro: int,
                  held: set[int], into: Sequence[torch.dtype | None] | None = None) -> None:
         n = len(params)
-        # per parameter, the dtype its framework accumulates local gradients in when not the gradient's own
-        # (Megatron's fp32 main_grad of a bf16 parameter): each piece is cast to it, then summed there
+        # per parameter, the dtype of the zeroed buffer its framework adds each local gradient into (Megatron's
+        # main_grad, fp32 for a bf16 parameter): each piece is added into zeros of that dtype, as the framework does
         self.into = into
         self.params = params
         self.device = device
@@ -118,10 +118,10 @@ class _Stream:
         if not self._note(i):
             return
         into = self.into[i] if self.into is not None else None
-        if into is not None and grad.dtype != into:
-            grad, owned = grad.to(into), True
         prev = self.acc[i]
         self.acc[i] = None
+        if into is not None and prev is None:
+            prev = torch.zeros_like(grad, dtype=into)  # the framework's zeroed buffer: 0.0 + g, in its dtype
         if prev is None and had:
             prev = torch.zeros_like(grad)  # zero_grad(set_to_none=False): .grad = 0.0 + g
         if prev is None:
@@ -137,7 +137,7 @@ class _Stream:
 
     def accumulated(self, i: int, p: torch.nn.Parameter) -> None:
         """backward() into .grad: autograd accumulated into ``p.grad``; taken (and dropped) when final, or at once
-        where the framework accumulates in a dtype of its own (``into``)."""
+        where the framework adds each gradient into a buffer of its own (``into``)."""
         if self.into is not None and self.into[i] is not None:
             if p.grad is not None:
                 grad, p.grad = p.grad, None

@@ -25,8 +25,10 @@ on every rank and ``SDCDetected`` is raised from the schedule, before the update
 ``ddp_model.finish_grad_sync()`` itself: the same.
 
 ``loss_fn(module, batch)`` recomputes one micro-batch's loss on the DDP's module for the replay: the loss your
-``loss_func`` returns first, divided by its token count when it returns three values (as the schedule divides it),
-before the schedule's division by the number of micro-batches. What each check reads, and what is refused:
+``loss_func`` returns first, divided by its token count when it returns three values (as the schedule divides it;
+not under ``calculate_per_token_loss``), before the schedule's division by the number of micro-batches. An open step
+that no reduction followed (an evaluation's ``forward_only`` run with gradients on) is withdrawn, its step index given
+back, when the next iteration calls ``ddp_model.zero_grad_buffer()``. What each check reads, and what is refused:
 ``parallel/megatron.py``.
 """
 
@@ -82,11 +84,15 @@ class SDCMegatron:
         self._finish = finish
         self._own_finish = "finish_grad_sync" in vars(model)
         model.finish_grad_sync = self._wrap(finish)
+        self._zero = model.zero_grad_buffer
+        self._own_zero = "zero_grad_buffer" in vars(model)
+        model.zero_grad_buffer = self._wrap_zero(self._zero)
 
     def micro_batch(self, batch: Any) -> None:
         """Register the next micro-batch (call in ``forward_step_func``, before the forward pass): opens the
-        monitor's step on the first micro-batch of an optimizer step. Does nothing once the monitor is closed."""
-        if self.monitor.closed:
+        monitor's step on the first micro-batch of an optimizer step. Does nothing once the monitor is closed, or
+        with gradients off (an evaluation's ``forward_only`` run under ``torch.no_grad()``, as Megatron-LM runs it)."""
+        if self.monitor.closed or not torch.is_grad_enabled():
             return
         if self._step is None:
             self._step = self.monitor.step().begin()
@@ -98,7 +104,8 @@ class SDCMegatron:
         """``loss_func`` (what ``forward_step_func`` returns second), recording the loss it returns."""
         def sdc_loss_func(output_tensor: Any, *args: Any, **kwargs: Any) -> Any:
             outputs = loss_func(output_tensor, *args, **kwargs)
-            if self._step is not None and not kwargs.get("non_loss_data", False) and not self.monitor.closed:
+            if self._step is not None and not kwargs.get("non_loss_data", False) and torch.is_grad_enabled() \
+                    and not self.monitor.closed:
                 if not isinstance(outputs, tuple) or len(outputs) not in (2, 3):
                     raise ValueError("loss_func must return (loss, reported) or (loss, num_tokens, reported), as "
                                      f"Megatron's schedules expect; got {type(outputs).__name__}")
@@ -127,17 +134,33 @@ class SDCMegatron:
         setattr(finish_grad_sync, _MARKER, self)
         return finish_grad_sync
 
+    def _wrap_zero(self, zero: Callable[..., Any]) -> Callable[..., Any]:
+        def zero_grad_buffer(*args: Any, **kwargs: Any) -> Any:
+            # A new iteration: a step still open registered micro-batches that no reduction followed (an evaluation
+            # run with forward_only and gradients on): withdrawn unchecked, its index given back, on every rank
+            step, self._step = self._step, None
+            if step is not None and not self.monitor.closed:
+                step.withdraw()
+            return zero(*args, **kwargs)
+
+        setattr(zero_grad_buffer, _MARKER, self)
+        return zero_grad_buffer
+
     def _record(self, step: StepContext) -> None:
-        """Each micro-batch's loss as the schedule backpropagated it: divided by its token count (three values
-        returned) and by the number of micro-batches, unless ``calculate_per_token_loss`` (nothing divided)."""
+        """Each micro-batch's loss as the schedule backpropagated it: divided by its token count and the number of
+        micro-batches (three values returned; with ``calculate_per_token_loss`` by neither: the reduction scales
+        later), or by the number of micro-batches (two values)."""
         if len(self._losses) != self._micro:
             raise RuntimeError(f"{self._micro} micro-batches registered but {len(self._losses)} losses recorded: "
                                "return run.loss_func(loss_func) from forward_step_func")
         n = self._micro
         for loss, tokens in self._losses:
-            if tokens is not None and not self._per_token:
+            scale = 1.0 / n
+            if tokens is not None and self._per_token:
+                scale = 1.0
+            elif tokens is not None:
                 loss = loss / torch.clamp(tokens, min=1)
-            step.record_loss(loss.reshape(()), scale=1.0 if self._per_token else 1.0 / n)
+            step.record_loss(loss.reshape(()), scale=scale)
         self._losses = []
 
     @property
@@ -154,12 +177,13 @@ class SDCMegatron:
     def close(self) -> None:
         """Give ``finish_grad_sync`` back and close the monitor. Idempotent. A step still open is discarded
         unchecked (on an exception path: abandoned, no collective)."""
-        current = vars(self.model).get("finish_grad_sync")
-        if getattr(current, _MARKER, None) is self:
-            if self._own_finish:
-                self.model.finish_grad_sync = self._finish
-            else:
-                del self.model.finish_grad_sync
+        for name, own, held in (("finish_grad_sync", self._own_finish, self._finish),
+                                ("zero_grad_buffer", self._own_zero, self._zero)):
+            if getattr(vars(self.model).get(name), _MARKER, None) is self:
+                if own:
+                    setattr(self.model, name, held)
+                else:
+                    delattr(self.model, name)  # the class's method again
         step, self._step = self._step, None
         if step is not None and not self.monitor.closed:
             if sys.exc_info()[0] is None:

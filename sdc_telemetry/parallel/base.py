@@ -158,9 +158,9 @@ class Layout:
         return nullcontext()
 
     def accumulates_in(self, params: Sequence[torch.nn.Parameter]) -> list[torch.dtype | None] | None:
-        """Per parameter, the dtype the framework accumulates its local gradient in where it is not the gradient's
-        own (the replay casts each recomputed piece to it before summing, as the framework does), or None: every
-        gradient accumulates in its own dtype."""
+        """Per parameter, the dtype of a zeroed buffer the framework adds each local gradient into (the replay adds
+        each recomputed piece into zeros of that dtype, as the framework does: ``0.0 + g`` turns -0.0 into +0.0, and
+        bf16 pieces sum in fp32), or None for a parameter whose gradient autograd accumulates; None: every one."""
         return None
 
     def rng_state(self) -> Any:

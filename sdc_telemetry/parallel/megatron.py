@@ -74,6 +74,14 @@ def _refusal(ddp: Any) -> str | None:
                 "backward, a replay's recomputation too): set TransformerConfig(gradient_accumulation_fusion=False)")
     if getattr(model_cfg, "fp16", False):
         return "fp16 with Megatron's loss scaler is not supported yet: use bf16 or fp32"
+    if getattr(model_cfg, "fp8", None) or getattr(cfg, "fp8_param_gather", False) \
+            or getattr(cfg, "reuse_grad_buf_for_mxfp8_param_ag", False):
+        return "fp8 is not supported yet (Transformer Engine's scaling state changes with every forward pass)"
+    if getattr(cfg, "delay_wgrad_compute", False) or getattr(model_cfg, "delay_wgrad_compute", False):
+        return "delay_wgrad_compute is not supported (weight gradients computed after the backward's hooks)"
+    if getattr(model_cfg, "cuda_graph_impl", "none") not in ("none", None) \
+            or getattr(model_cfg, "enable_cuda_graph", False) or getattr(model_cfg, "external_cuda_graph", False):
+        return "CUDA graphs are not supported yet (the DDP's gradient hooks do not run while a graph is captured)"
     if _size(ddp.pp_group) > 1:
         return f"Megatron pipeline parallelism ({_size(ddp.pp_group)} stages) is not supported yet"
     if _size(ddp.dp_cp_group) != _size(ddp.dp_group):
@@ -85,6 +93,18 @@ def _refusal(ddp: Any) -> str | None:
     return None
 
 
+def _tracker_refusal() -> str | None:
+    """The replay captures Megatron's RNG tracker states as tensors: a tracker holding generators (CUDA-graph-safe
+    RNG, Transformer Engine's tracker) is not captured."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    if type(tracker).__name__ != "CudaRNGStatesTracker" or getattr(tracker, "use_cudagraphable_rng", False):
+        return (f"the RNG tracker {type(tracker).__name__} (Transformer Engine's, or CUDA-graph-safe RNG) is not "
+                "supported yet: the replay captures Megatron's own tracker's states")
+    return None
+
+
 class MegatronDDP(Layout):
     """Megatron-core's ``DistributedDataParallel`` over its data-parallel group, with tensor parallelism."""
 
@@ -93,7 +113,7 @@ class MegatronDDP(Layout):
     reduces = True
 
     def __init__(self, ddp: Any) -> None:
-        why = _refusal(ddp)
+        why = _refusal(ddp) or _tracker_refusal()
         if why is not None:
             raise LayoutError(f"SDCMonitor with Megatron-core: {why}")
         self.ddp = ddp
@@ -175,6 +195,13 @@ class MegatronDDP(Layout):
                               f"use_distributed_optimizer={self.sharded_optimizer}: build both from one setting")
         if getattr(optimizer, "grad_scaler", None) is not None:
             raise LayoutError("SDCMonitor with Megatron-core: a loss scaler (fp16) is not supported yet")
+        if getattr(getattr(optimizer, "config", None), "use_precision_aware_optimizer", False):
+            raise LayoutError("SDCMonitor with Megatron-core: use_precision_aware_optimizer is not supported yet (its "
+                              "gradients and master weights live outside the torch optimizer's parameters)")
+        if not isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+            raise LayoutError(f"SDCMonitor with Megatron-core: the optimizer inside {kind} is "
+                              f"{type(getattr(optimizer, 'optimizer', None)).__name__}, not a torch optimizer "
+                              "(optimizer CPU offloading is not supported)")
         self.optimizer = optimizer
         return optimizer.optimizer
 
@@ -210,8 +237,8 @@ class MegatronDDP(Layout):
 
     def disable(self) -> None:
         self._enabled = False
-        for bucket_group, own in self._wrapped:
-            bucket_group.start_grad_sync = own
+        for bucket_group, _ in self._wrapped:
+            del bucket_group.start_grad_sync  # the class's method again
         self._wrapped = []
 
     # -- reduced gradients -------------------------------------------------------------------------------------------
@@ -241,7 +268,7 @@ class MegatronDDP(Layout):
         held = [p for g in optimizer.param_groups for p in g["params"]]
         if all(id(p) in module_params for p in held):
             return super().updated(named, optimizer)  # FP32Optimizer: the module's parameters themselves
-        names = self._names(named)
+        names = {**{id(p): n for n, p in named}, **self._names(named)}
         return [(names.get(id(p), f"megatron.optimizer.param{k}"), p) for k, p in enumerate(held)], False
 
     def _names(self, named: Sequence[tuple[str, torch.nn.Parameter]]) -> dict[int, str]:
@@ -286,12 +313,13 @@ class MegatronDDP(Layout):
             ddp.param_to_bucket_group = held
 
     def accumulates_in(self, params: Sequence[torch.nn.Parameter]) -> list[torch.dtype | None] | None:
-        """Megatron adds each gradient into ``main_grad``, in fp32 for bf16 parameters (``grad_reduce_in_fp32``)."""
+        """Megatron adds each gradient into its zeroed ``main_grad`` (fp32 for bf16 parameters with
+        ``grad_reduce_in_fp32``)."""
         into: list[torch.dtype | None] = []
         for p in params:
             held = getattr(p, "main_grad", None)
-            into.append(held.dtype if held is not None and held.dtype != p.dtype else None)
-        return into if any(d is not None for d in into) else None
+            into.append(held.dtype if held is not None else None)
+        return into
 
     def rng_state(self) -> Any:
         """Megatron's RNG tracker states (dropout inside ``get_cuda_rng_tracker().fork()``), None when it has none."""

@@ -10,6 +10,7 @@ optimizer inside Megatron's, whose parameters are this rank's slices under the d
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from functools import partial
@@ -78,7 +79,8 @@ def train(config: sdc.SDCConfig | None, *, tp: int = 1, steps: int = 4, micro: i
           bf16: bool = False, dropout: float = 0.1, recompute: str | None = None, three: bool = False,
           flip: tuple[int, int] | None = None, perturb: tuple[int, int] | None = None,
           nan_at: tuple[int, int] | None = None, wrong_update: tuple[int, int] | None = None,
-          at_rest: tuple[int, int, str] | None = None, refuse: str | None = None) -> dict[str, Any]:
+          at_rest: tuple[int, int, str] | None = None, refuse: str | None = None, evaluate: str | None = None
+          ) -> dict[str, Any]:
     """``steps`` optimizer steps of ``micro`` micro-batches each; ``config`` None trains without the monitor.
     ``distopt``: Megatron's distributed optimizer (else its replicated one); ``recompute``: Megatron's activation
     recomputation ("full"); ``three``: loss_func returns (sum, tokens, report). Faults, each (rank, step):
@@ -86,7 +88,9 @@ def train(config: sdc.SDCConfig | None, *, tp: int = 1, steps: int = 4, micro: i
     micro-batch) a NaN in its loss mask; ``wrong_update`` a faulty optimizer kernel on that rank from that step on;
     ``at_rest`` (rank, step, what): a bit of that rank's first optimizer tensor (``"param"``) or of its first Adam
     moment (``"exp_avg"``) flipped before step ``step``'s forward pass. ``refuse``: what SDCMegatron says of a
-    configuration it does not support."""
+    configuration it does not support. ``evaluate``: after each update, an evaluation pass through the same
+    ``forward_step`` (``forward_only`` in eval mode), under ``torch.no_grad()`` (``"no_grad"``, as Megatron-LM
+    evaluates) or with gradients on (``"grad"``)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -155,6 +159,12 @@ def train(config: sdc.SDCConfig | None, *, tp: int = 1, steps: int = 4, micro: i
             if run is None or run.finite:
                 opt.step()
                 updates += 1
+            if evaluate:
+                ddp.eval()
+                with torch.no_grad() if evaluate == "no_grad" else contextlib.nullcontext():
+                    forward_backward(forward_step_func=forward_step, data_iterator=iter(data[:1]), model=[ddp],
+                                     num_microbatches=1, seq_length=SEQ, micro_batch_size=MICRO, forward_only=True)
+                ddp.train()
     except sdc.SDCDetected as e:
         raised = e
     finally:
@@ -166,7 +176,7 @@ def train(config: sdc.SDCConfig | None, *, tp: int = 1, steps: int = 4, micro: i
     final = [p.detach().float() for p in gpt.parameters()]
     out: dict[str, Any] = {"weights": sdc.fingerprint(final).tolist(), "updates": updates, "fired": faults.fired,
                            "weights_finite": all(bool(torch.isfinite(p).all()) for p in final),
-                           "restored": "finish_grad_sync" not in vars(ddp)}
+                           "restored": not {"finish_grad_sync", "zero_grad_buffer"} & set(vars(ddp))}
     if run is None:
         return out
     return summary(run.incidents, counter, raised, global_step=updates, closed=run.monitor.closed,

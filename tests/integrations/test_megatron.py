@@ -32,7 +32,7 @@ REPLAY_EACH = sdc.SDCConfig(weights_every=1, replay_every=1, on_suspect="raise",
 RECORD = sdc.SDCConfig(weights_every=1, replay_every=0, **QUIET)
 PLAN: list[dict[str, Any]] = [
     {"config": None},                                                            # 0: dp=4, distributed optimizer
-    {"config": HEALTHY},                                                         # 1
+    {"config": HEALTHY, "evaluate": "grad"},                                     # 1: an evaluation pass each step
     {"config": HEALTHY, "micro": 2, "three": True},                              # 2: accumulation, (sum, tokens)
     {"config": HEALTHY, "distopt": False},                                       # 3: replicated optimizer
     {"config": HEALTHY, "bf16": True, "micro": 2},                               # 4: fp32 main_grad and masters
@@ -49,7 +49,7 @@ PLAN: list[dict[str, Any]] = [
     {"config": None, "refuse": "fusion"},                                        # 15
     # tensor parallelism 2 x data parallelism 2
     {"config": None, "tp": 2},                                                   # 16
-    {"config": HEALTHY, "tp": 2},                                                # 17
+    {"config": HEALTHY, "tp": 2, "evaluate": "no_grad"},                         # 17
     {"config": HEALTHY, "tp": 2, "micro": 2, "distopt": False, "bf16": True, "recompute": "full"},  # 18
     {"config": RAISE, "flip": (3, 2), "tp": 2},                                  # 19
     {"config": REPLAY_EACH, "perturb": (2, 1), "tp": 2},                         # 20
@@ -77,8 +77,10 @@ def test_healthy_loops_run_every_check_and_raise_nothing(runs: list[list[dict[st
     gradients (this rank's reduce-scattered slice under the distributed optimizer), the weights and the replay of
     steps 0 and 2 (bit for bit, dropout through Megatron's RNG tracker; under tensor parallelism both ranks of a
     replica recompute together; under full recomputation through .grad with Megatron's hooks quieted) pass on every
-    rank; the update audit runs where no other rank holds a rank's optimizer slice (the distributed optimizer) or
-    referees two replicas (dp=2); nothing fails or errs; finish_grad_sync is given back at close."""
+    rank (an evaluation pass after each update through the same forward_step, with gradients on or off, leaves
+    nothing behind: a step it opened is withdrawn at the next zero_grad_buffer); the update audit runs where no
+    other rank holds a rank's optimizer slice (the distributed optimizer) or referees two replicas (dp=2); nothing
+    fails or errs; finish_grad_sync and zero_grad_buffer are given back at close."""
     plan = PLAN[index]
     for rank, r in enumerate(_each(runs, index)):
         assert r["raised"] is None and r["incidents"] == [] and r["updates"] == 4, f"rank {rank}: {r}"
