@@ -21,7 +21,18 @@ from sdc_telemetry.core.incident import Incident
 from sdc_telemetry.monitor import SDCMonitor
 from sdc_telemetry.step import StepContext
 
-__all__ = ["WrappedBackward"]
+__all__ = ["WrappedBackward", "close_open"]
+
+
+def close_open(step: StepContext | None, monitor: SDCMonitor) -> None:
+    """Close the monitor, and before it a step still open: discarded unchecked after a normal end (the loop ended
+    inside an accumulation window, the same on every rank), abandoned on an exception path (no collective)."""
+    if step is not None and not monitor.closed:
+        if sys.exc_info()[0] is None:
+            step.discard()
+        else:
+            step.__exit__(RuntimeError, None, None)
+    monitor.close()
 
 
 class WrappedBackward:
@@ -129,12 +140,7 @@ class WrappedBackward:
             else:
                 del self._owner.backward  # the class's method again
         step, self._step = self._step, None
-        if step is not None and not self.monitor.closed:
-            if sys.exc_info()[0] is None:
-                step.discard()
-            else:
-                step.__exit__(RuntimeError, None, None)
-        self.monitor.close()
+        close_open(step, self.monitor)
 
     @property
     def backward_restored(self) -> bool:

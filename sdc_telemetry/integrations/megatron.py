@@ -34,7 +34,6 @@ back, when the next iteration calls ``ddp_model.zero_grad_buffer()``. What each 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +41,7 @@ import torch
 
 from sdc_telemetry.core.config import SDCConfig
 from sdc_telemetry.core.incident import Incident
+from sdc_telemetry.integrations._backward import close_open
 from sdc_telemetry.monitor import SDCMonitor
 from sdc_telemetry.sinks.observer import Observer
 from sdc_telemetry.step import StepContext
@@ -185,12 +185,7 @@ class SDCMegatron:
                 else:
                     delattr(self.model, name)  # the class's method again
         step, self._step = self._step, None
-        if step is not None and not self.monitor.closed:
-            if sys.exc_info()[0] is None:
-                step.discard()
-            else:
-                step.__exit__(RuntimeError, None, None)
-        self.monitor.close()
+        close_open(step, self.monitor)
 
     def __enter__(self) -> SDCMegatron:
         return self
