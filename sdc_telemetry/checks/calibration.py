@@ -7,7 +7,9 @@ set by the noisiest, hid a persistent fault of 1e-4 relative in every audit of t
 
 Two sources, each reduced over the group at a fixed size at any world size, never a gather: a rank rerunning its own
 step (the noise floor of non-deterministic kernels: the median rank's, from a summed histogram of one delta per rank,
-so one faulty rank cannot raise it; a floor for every quantity), and two different ranks computing the same
+so one faulty rank cannot raise it; one floor per kind of quantity, the loss and the norms apart from the
+sketches, whose heavy-tailed rerun deltas would otherwise floor the norms' thresholds far above what a norm's noise
+is: that floor, 3x a sketch's rerun noise, hid persistent faults of 1e-4), and two different ranks computing the same
 micro-batch in a healthy audit (ranks whose kernels consistently differ, as when autotuning picked another
 algorithm): per quantity, the largest healthy delta over the ranks, an exact MAX that rides in the audit's own
 agreement (one int64 per quantity: the model's size, not the world's), at every scheduled audit. Each source keeps a
@@ -23,7 +25,7 @@ per-parameter norm change of the deviating rank 3e-6 to 2e-5, of a 1e-4 fault 7e
 An audit is judged against the thresholds measured before it, and only ranks whose comparison passed contribute their
 deltas: a fault present at a calibration audit can neither hide itself nor raise the threshold. Until a quantity has
 been calibrated at ``_SETTLED`` healthy cross-rank audits its threshold is at least 1e-3 (room for a rank whose
-kernels differ: one or two audits are too few to know how far they move it).
+kernels differ: a few audits are too few to know how far they move it).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ SKETCH_FACTOR = 10.0   # block sketches: a decade (their deltas are heavy-tailed
 _AUTO_CAP = 0.05       # a calibrated threshold never rises above this
 _INITIAL = 1e-3        # until a healthy cross-rank audit was measured: room for ranks whose kernels differ
 _WINDOW = 10           # calibrations each source is taken over (cross-rank: the last audits)
-_SETTLED = 3           # cross-rank calibrations of a quantity before its threshold may drop below the initial one
+_SETTLED = 5           # cross-rank calibrations of a quantity before its threshold may drop below the initial one
 
 
 class Calibration:
@@ -49,11 +51,18 @@ class Calibration:
     norm, then each parameter's block sketch), and what they were measured from. ``size`` quantities: fixed by the
     model, never by the world size."""
 
-    def __init__(self, size: int = 1, factors: Sequence[float] | None = None) -> None:
+    def __init__(self, size: int = 1, factors: Sequence[float] | None = None,
+                 kinds: Sequence[int] | None = None) -> None:
         self.size = max(1, size)
         self.factors = list(factors) if factors is not None else [CROSS_FACTOR] * self.size
         if len(self.factors) != self.size:
             raise ValueError(f"{self.size} quantities need as many factors, got {len(self.factors)}")
+        # Each quantity's kind (0: the loss and the norms, 1: the block sketches): a kind's rerun noise floor bounds
+        # its own quantities only (the sketches' heavy-tailed rerun deltas must not floor the norms' thresholds).
+        self.kinds = list(kinds) if kinds is not None else [0] * self.size
+        if len(self.kinds) != self.size:
+            raise ValueError(f"{self.size} quantities need as many kinds, got {len(self.kinds)}")
+        self._floors: dict[int, deque[float]] = {k: deque(maxlen=_WINDOW) for k in set(self.kinds)}
         self._reruns: deque[float] = deque(maxlen=_WINDOW)
         self._cross: deque[list[float]] = deque(maxlen=_WINDOW)
         self.thresholds = [_INITIAL] * self.size
@@ -64,12 +73,16 @@ class Calibration:
         """The loosest threshold (what a single-number comparison, a triggered audit's, uses)."""
         return max(self.thresholds)
 
-    def rerun(self, counts: Sequence[int]) -> bool:
-        """Fold in a summed histogram of same-rank rerun deltas; False when no rank contributed."""
+    def rerun(self, counts: Sequence[int], kind: int | None = None) -> bool:
+        """Fold in a summed histogram of same-rank rerun deltas, of the quantities of ``kind`` (None: of every
+        quantity); False when no rank contributed."""
         floor = noise_median(counts)
         if floor is None:
             return False
         self._reruns.append(floor)
+        for k, floors in self._floors.items():
+            if kind is None or k == kind:
+                floors.append(floor)
         self._update()
         return True
 
@@ -90,9 +103,10 @@ class Calibration:
     def _update(self) -> None:
         measured = [v for row in self._cross for v in row if not math.isnan(v)]
         self.noise_floor = max([*self._reruns, *measured], default=0.0)
-        low = max(AUTO_FLOOR, _AUTO_FACTOR * max(self._reruns, default=0.0))
+        lows = {k: max(AUTO_FLOOR, _AUTO_FACTOR * max(floors, default=0.0)) for k, floors in self._floors.items()}
         out = []
         for i in range(self.size):
+            low = lows[self.kinds[i]]
             seen = [row[i] for row in self._cross if not math.isnan(row[i])]
             # Until a quantity has been calibrated at _SETTLED audits its threshold stays at least the initial one:
             # one or two audits are too few to know how far a deviating rank's kernels move it.

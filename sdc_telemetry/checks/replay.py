@@ -90,7 +90,8 @@ class ReplayCheck:
         count = len(self._params)
         self._sizes = torch.tensor([p.numel() for p in self._params], dtype=torch.float64)  # for the norms' floor
         factors = [calibration.CROSS_FACTOR] * (1 + count) + [calibration.SKETCH_FACTOR] * count
-        self._threshold = Calibration(1 + 2 * count, factors) if self._auto else None
+        self._threshold = Calibration(1 + 2 * count, factors, kinds=[0] * (1 + count) + [1] * count) \
+            if self._auto else None
         self._features: list[float] | None = None  # the last comparison's deltas per quantity (healthy audits)
         self._fixed = float(tolerance) if not self._auto else 0.0
         self._every = every
@@ -606,8 +607,19 @@ class ReplayCheck:
             return
         row = self._compare(mine, mine["fp"])
         delta = max(unbits(int(row[1])), unbits(int(row[2]))) if not row[3] else math.nan
+        # One floor per kind of quantity: the loss and the norms, the sketches (heavy-tailed; none in 16 bits)
+        count = len(self._params)
+        features = self._features if not row[3] and self._features is not None \
+            and len(self._features) == 1 + 2 * count else None
+        norms = max((d for d in features[:1 + count] if not math.isnan(d)), default=math.nan) \
+            if features is not None else delta
+        sketches = [d for d in features[1 + count:] if not math.isnan(d)] if features is not None else [delta]
+        kinds = histogram(norms) + histogram(max(sketches) if sketches else math.nan)
+        counts = sum_counts(kinds, self._group, self._wire)
         assert self._threshold is not None
-        self._threshold.rerun(sum_counts(histogram(delta), self._group, self._wire))
+        half = len(counts) // 2
+        self._threshold.rerun(counts[:half], kind=0)
+        self._threshold.rerun(counts[half:], kind=1)
 
     def _compare(self, record: dict[str, Any] | None, recorded_fp: int | None) -> torch.Tensor:
         """[mismatch, loss_delta_bits, grad_delta_bits, error, margin_bits, outputs] for recomputing ``record``
