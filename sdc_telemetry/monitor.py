@@ -478,19 +478,13 @@ class SDCMonitor:
         high, _ = self._ended.agreement.result()
         return not (high[S.LOCAL_NONFINITE] or high[S.REDUCED_NONFINITE])
 
-    def discard_step(self) -> None:
+    def discard_step(self, give_back: bool = False) -> None:
         """Close the open step unchecked, on every rank alike (a loop that ended inside an accumulation window):
-        unlike ``abandon_step``, the monitor's later collectives (``close()`` settling a deferred verdict) run."""
+        unlike ``abandon_step``, the monitor's later collectives (``close()`` settling a deferred verdict) run.
+        ``give_back``: the next step reuses its index (nothing of it was measured: an evaluation pass registered
+        micro-batches and ran no backward)."""
         self._open = False
-        self._next_step = self._step + 1
-        if self._replay is not None:
-            self._replay.drop()
-
-    def withdraw_step(self) -> None:
-        """Close the open step unchecked and give its index back, on every rank alike: nothing of it was measured
-        (an evaluation pass registered micro-batches and ran no backward)."""
-        self._open = False
-        self._next_step = self._step
+        self._next_step = self._step if give_back else self._step + 1
         if self._replay is not None:
             self._replay.drop()
 

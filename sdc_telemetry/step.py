@@ -27,9 +27,7 @@ class StepDriver(Protocol):
 
     def abandon_step(self) -> None: ...
 
-    def discard_step(self) -> None: ...
-
-    def withdraw_step(self) -> None: ...
+    def discard_step(self, give_back: bool = False) -> None: ...
 
     def end_step(self) -> None: ...
 
@@ -106,21 +104,15 @@ class StepContext:
         self._done = True
         self._monitor.end_step()
 
-    def discard(self) -> None:
+    def discard(self, *, give_back: bool = False) -> None:
         """Close the step without checking it, every rank alike: a loop that ends inside a gradient-accumulation
-        window (its gradients were never reduced). The monitor goes on normally (``close()`` still settles)."""
+        window (its gradients were never reduced). The monitor goes on normally (``close()`` still settles).
+        ``give_back``: the next step reuses this one's index (it registered micro-batches but no backward ran: a
+        framework's evaluation pass through the training's forward function)."""
         self._require_active("discard")
         self._active = False
         self._done = True
-        self._monitor.discard_step()
-
-    def withdraw(self) -> None:
-        """Close the step unchecked and give its index back, every rank alike: it registered micro-batches but no
-        backward ran (a framework's evaluation pass through the training's forward function)."""
-        self._require_active("withdraw")
-        self._active = False
-        self._done = True
-        self._monitor.withdraw_step()
+        self._monitor.discard_step(give_back)
 
     @property
     def finite(self) -> bool:

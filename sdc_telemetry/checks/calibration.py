@@ -63,7 +63,6 @@ class Calibration:
         if len(self.kinds) != self.size:
             raise ValueError(f"{self.size} quantities need as many kinds, got {len(self.kinds)}")
         self._floors: dict[int, deque[float]] = {k: deque(maxlen=_WINDOW) for k in set(self.kinds)}
-        self._reruns: deque[float] = deque(maxlen=_WINDOW)
         self._cross: deque[list[float]] = deque(maxlen=_WINDOW)
         self.thresholds = [_INITIAL] * self.size
         self.noise_floor = 0.0
@@ -79,7 +78,6 @@ class Calibration:
         floor = noise_median(counts)
         if floor is None:
             return False
-        self._reruns.append(floor)
         for k, floors in self._floors.items():
             if kind is None or k == kind:
                 floors.append(floor)
@@ -102,7 +100,7 @@ class Calibration:
 
     def _update(self) -> None:
         measured = [v for row in self._cross for v in row if not math.isnan(v)]
-        self.noise_floor = max([*self._reruns, *measured], default=0.0)
+        self.noise_floor = max([*(v for floors in self._floors.values() for v in floors), *measured], default=0.0)
         lows = {k: max(AUTO_FLOOR, _AUTO_FACTOR * max(floors, default=0.0)) for k, floors in self._floors.items()}
         out = []
         for i in range(self.size):

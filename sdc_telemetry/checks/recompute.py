@@ -358,10 +358,13 @@ class Recomputer:
         """The framework's own RNG states now (captured with each micro-batch), None without any."""
         return self._rng[0]() if self._rng is not None else None
 
+    def _set_framework_rng(self, state: Any) -> None:
+        if self._rng is not None and state is not None:
+            self._rng[1](state)
+
     def _loss_of(self, mb: MicroBatch) -> torch.Tensor:
         """The micro-batch's loss under the origin's RNG and autocast state."""
-        if self._rng is not None and mb.framework_rng is not None:
-            self._rng[1](mb.framework_rng)
+        self._set_framework_rng(mb.framework_rng)
         torch.set_rng_state(mb.cpu_rng)
         if mb.dev_rng is not None and self._device.type == "cuda":
             torch.cuda.set_rng_state(mb.dev_rng, self._device)
@@ -390,8 +393,7 @@ class Recomputer:
             torch.set_rng_state(cpu_rng)
             if dev_rng is not None:
                 torch.cuda.set_rng_state(dev_rng, self._device)
-            if self._rng is not None and framework_rng is not None:
-                self._rng[1](framework_rng)
+            self._set_framework_rng(framework_rng)
 
     def _result(self, losses: list[torch.Tensor], stream: _Stream) -> Result:
         fps = stream.fps if stream.fps is not None else torch.zeros((len(self._params), 1), dtype=torch.int64,

@@ -606,16 +606,17 @@ class ReplayCheck:
         if self._lockstep is not None and not self._recomputable(mine):
             return
         row = self._compare(mine, mine["fp"])
-        delta = max(unbits(int(row[1])), unbits(int(row[2]))) if not row[3] else math.nan
-        # One floor per kind of quantity: the loss and the norms, the sketches (heavy-tailed; none in 16 bits)
+        # One floor per kind of quantity: the loss and the norms, the sketches (heavy-tailed; none in 16 bits). A
+        # rerun that failed contributes to neither.
         count = len(self._params)
         features = self._features if not row[3] and self._features is not None \
-            and len(self._features) == 1 + 2 * count else None
-        norms = max((d for d in features[:1 + count] if not math.isnan(d)), default=math.nan) \
-            if features is not None else delta
-        sketches = [d for d in features[1 + count:] if not math.isnan(d)] if features is not None else [delta]
-        kinds = histogram(norms) + histogram(max(sketches) if sketches else math.nan)
-        counts = sum_counts(kinds, self._group, self._wire)
+            and len(self._features) == 1 + 2 * count else []
+
+        def largest(deltas: Sequence[float]) -> float:
+            return max((d for d in deltas if not math.isnan(d)), default=math.nan)
+
+        histograms = histogram(largest(features[:1 + count])) + histogram(largest(features[1 + count:]))
+        counts = sum_counts(histograms, self._group, self._wire)
         assert self._threshold is not None
         half = len(counts) // 2
         self._threshold.rerun(counts[:half], kind=0)

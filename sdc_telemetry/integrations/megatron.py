@@ -140,7 +140,7 @@ class SDCMegatron:
             # run with forward_only and gradients on): withdrawn unchecked, its index given back, on every rank
             step, self._step = self._step, None
             if step is not None and not self.monitor.closed:
-                step.withdraw()
+                step.discard(give_back=True)
             return zero(*args, **kwargs)
 
         setattr(zero_grad_buffer, _MARKER, self)

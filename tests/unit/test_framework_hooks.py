@@ -53,12 +53,12 @@ def test_a_withdrawn_step_gives_its_index_back() -> None:
     withdrawn = mon.step().begin()
     withdrawn.micro_batch(x)
     assert withdrawn.index == 5
-    withdrawn.withdraw()
+    withdrawn.discard(give_back=True)
     with mon.step(x) as step:
         step.backward(model(x).sum())
     assert step.index == 5 and step.finite
     discarded = mon.step().begin()
-    discarded.discard()  # unlike withdraw, a discarded step keeps its index
+    discarded.discard()  # without give_back, a discarded step keeps its index
     with mon.step(x) as step:
         step.backward(model(x).sum())
     assert discarded.index == 6 and step.index == 7
