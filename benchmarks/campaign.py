@@ -903,18 +903,26 @@ def run(trials: int = 240, seed: int = 0, world: int | None = None, steps: int =
 # -- the persistent-fault sweep (tolerance mode) ---------------------------------------------------------------------
 
 SWEEP_MAGNITUDES = (1e-3, 3e-4, 1e-4, 1e-5)  # relative size of a persistent compute fault (1e-5 is reported only)
+# bf16: a comparison's tolerance is at least one bf16 unit in the last place at 1.0 (2**-7, 7.8e-3): where its
+# sensitivity lies is measured with larger faults too
+SWEEP_MAGNITUDES_16 = (3e-2, 1e-2, 3e-3, *SWEEP_MAGNITUDES)
+
+
+def sweep_magnitudes(precision: str) -> tuple[float, ...]:
+    return SWEEP_MAGNITUDES_16 if precision == "bf16" else SWEEP_MAGNITUDES
 SWEEP_TARGET = 0.95  # named on the right rank alone in at least this share of the trials of 1e-3, 3e-4 and 1e-4
 
 
 def plan_sweep(per_magnitude: int, healthy: int, seed: int, world: int, steps: int, replay_every: int,
                calibration_audits: int, precision: str) -> list[dict[str, Any]]:
-    """Persistent compute faults at fixed magnitudes (``SWEEP_MAGNITUDES``, ``per_magnitude`` trials each) and
+    """Persistent compute faults at fixed magnitudes (``sweep_magnitudes``, ``per_magnitude`` trials each) and
     ``healthy`` healthy runs, each after ``calibration_audits`` healthy audits (what a long job has behind it when a
     fault starts); rank, module, model, the rank whose kernels deviate and the fault's step drawn at random."""
     rng = random.Random(seed)
     prefix = calibration_audits * replay_every
     targets = {m: _targets(m)[1] for m in ("gpt", "mlp")}
-    kinds = [("compute_persistent", m) for m in SWEEP_MAGNITUDES for _ in range(per_magnitude)]
+    kinds: list[tuple[str, float | None]] = [("compute_persistent", m) for m in sweep_magnitudes(precision)
+                                             for _ in range(per_magnitude)]
     kinds += [("healthy", None)] * healthy
     rng.shuffle(kinds)
     out = []
@@ -934,7 +942,8 @@ def score_sweep(planned: list[dict[str, Any]], results: dict[int, dict[str, Any]
     """Per magnitude: trials whose first incident at or after the fault names the faulty rank alone (and how many
     steps after the fault); false incidents in healthy runs and before each fault, per healthy rank-steps."""
     per: dict[float, dict[str, Any]] = {m: {"trials": 0, "named_right": 0, "ambiguous": 0, "wrong": 0, "missed": 0,
-                                            "latencies": []} for m in SWEEP_MAGNITUDES}
+                                            "latencies": []} for m in sorted({t["relative"] for t in planned
+                                                                              if "relative" in t}, reverse=True)}
     false, rank_steps, errors = 0, 0, []
     for t in planned:
         r = results.get(t["id"]) or {"error": "no result"}
@@ -1055,7 +1064,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--out-dir", help="where the JSON goes (default benchmarks/results)")
     p.add_argument("--sweep", action="store_true",
                    help="tolerance mode's sensitivity: persistent compute faults of "
-                        f"{', '.join(f'{m:g}' for m in SWEEP_MAGNITUDES)} relative (--trials each) and --healthy "
+                        f"{', '.join(f'{m:g}' for m in SWEEP_MAGNITUDES)} relative (bf16: also "
+                        f"{', '.join(f'{m:g}' for m in SWEEP_MAGNITUDES_16[:3])}; --trials each) and --healthy "
                         "healthy runs, after --calibration-audits healthy audits, under emulated GPU numerics")
     p.add_argument("--healthy", type=int, default=130, help="--sweep: healthy runs")
     p.add_argument("--calibration-audits", type=int, default=6, help="--sweep: healthy audits before each fault")

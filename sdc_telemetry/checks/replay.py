@@ -462,19 +462,20 @@ class ReplayCheck:
             got = late.summary(result.losses, [m.scale for m in micro], result.norms.double().cpu().tolist())
             extra = record["extra"]
             dist = late.distance((extra["recorded"][0], extra["recorded"][1]), got)
-            same = self._same_result(result, extra["now"], extra["now_fp"], extra["now_norms"])
+            same = self._same_result(result, extra["now"], extra["now_fp"], extra["now_norms"], micro)
             return [late.classify(dist, band), int(same), bits(dist) if math.isfinite(dist) else -1, 0]
         except Exception as e:  # noqa: BLE001 - reported to every rank through the gather
             self.error_text = f"{type(e).__name__}: {e}"
             return [late.UNCLEAR, 0, -1, 1]
 
-    def _same_result(self, result: Result, losses: Sequence[float], fp: int, norms: torch.Tensor) -> bool:
+    def _same_result(self, result: Result, losses: Sequence[float], fp: int, norms: torch.Tensor,
+                     micro: Sequence[MicroBatch]) -> bool:
         """Two recomputations of one record on the same weights agree: bit for bit in exact mode, else within the
         tolerance (non-finite values alike)."""
         if self.mode == "exact":
             return result.fp == fp and all(_same_bits(a, b) for a, b in zip(result.losses, losses, strict=True))
         loss, grad = _alike_deltas(result, losses, norms.double())
-        limit = max(self.tolerance, AUTO_FLOOR)
+        limit = max(self.tolerance, AUTO_FLOOR, rounding_floor(micro, self._params))
         return loss <= limit and grad <= limit
 
     def _cross_round(self, shift: int, mine: dict[str, Any], calibrate: bool = False
@@ -638,7 +639,14 @@ class ReplayCheck:
             with self._outputs.recording(recorded_outputs is not None) if self._outputs is not None \
                     else nullcontext([]) as got:
                 result = self._recomputer.run(micro)
-            outputs = self._outputs_differ(recorded_outputs, got[0] if got else None)
+            # 16-bit arithmetic: a rounding flip of one element moves a quantity that it dominates by up to one
+            # unit in the last place (bf16 2**-7 relative), and an fp32-sized difference anywhere grows through the
+            # roundings of the layers after it into such flips (measured: a 1e-6 difference moves the per-parameter
+            # gradient norms of the campaign's bf16 GPT by 5e-4 to 4e-3 from one rerun to the next). No threshold
+            # below that unit can tell a fault from rounding: none is used.
+            floor = rounding_floor(micro, self._params)
+            limits = [max(t, floor) for t in self.thresholds]
+            outputs = self._outputs_differ(recorded_outputs, got[0] if got else None, limits[0])
             # Exact mode: a stage that sent a different gradient back computed wrongly even where its own gradients
             # match (a fault in the backward of its input gradient): a mismatch, so that it is among the suspects.
             sent_differ = self.mode == "exact" and self._outputs is not None and self._outputs.sent_differs(outputs)
@@ -647,7 +655,7 @@ class ReplayCheck:
             ref = record["norms"].double()
             if recorded_fp is None:  # a triggered audit: norms and losses, with non-finite values compared as such
                 loss_delta, grad_delta = _alike_deltas(result, recorded_losses, ref)
-                limit = max(self.tolerance, AUTO_FLOOR)
+                limit = max(self.tolerance, AUTO_FLOOR, floor)
                 mismatch = not (loss_delta <= limit and grad_delta <= limit)
                 return torch.tensor([int(mismatch), bits(loss_delta), bits(grad_delta), 0, -1, outputs],
                                     dtype=torch.int64)
@@ -666,7 +674,7 @@ class ReplayCheck:
             # calibrated threshold, and a flipped mantissa bit of one element cannot be told from rounding: compare
             # the loss and the norms only.
             if self.mode == "tolerance" and recorded_sketch is not None and result.sketch is not None \
-                    and not _sixteen_bit(micro, self._params):
+                    and not floor:
                 # The norms cannot see a sign flip and barely a mantissa change: the block sketches can.
                 per_param = sketch_deltas(result.sketch, recorded_sketch)
                 if len(per_param) != len(self._params):
@@ -680,7 +688,7 @@ class ReplayCheck:
                 # Each quantity against its own threshold: a parameter whose gradient is noisy (its terms cancel)
                 # must not set the bar for the others. The margin: the largest delta in units of its threshold.
                 features = [max(loss_delta, norm_delta), *norm_deltas.tolist(), *per_param]
-                margin = max((d / t if t > 0 else math.inf for d, t in zip(features, self.thresholds, strict=True)
+                margin = max((d / t if t > 0 else math.inf for d, t in zip(features, limits, strict=True)
                               if not math.isnan(d)), default=0.0)
                 mismatch = margin > 1.0
                 self._features = features
@@ -691,7 +699,7 @@ class ReplayCheck:
             return torch.tensor([0, bits(math.nan), bits(math.nan), 1, -1, -1], dtype=torch.int64)
 
     def _outputs_differ(self, recorded: tuple[list[int], list[float], list[int]] | None,
-                        got: tuple[list[int], list[float], list[int]] | None) -> int:
+                        got: tuple[list[int], list[float], list[int]] | None, limit: float) -> int:
         """Which of this rank's stages computed outputs, or sent gradients back, that differ from the origin's
         recorded ones: bit k set for local stage k's outputs (one stage per rank: 1 differs, 0 matches), bit
         ``parts + k`` for the gradients it sent; -1 when a stage's outputs were not recorded on either side (a first
@@ -715,7 +723,7 @@ class ReplayCheck:
             if self.mode == "exact":
                 differ = any(recorded[0][i] != got[0][j] for i, j in pairs)
             else:
-                differ = not max(_rel(got[1][j], recorded[1][i]) for i, j in pairs) <= self.thresholds[0]
+                differ = not max(_rel(got[1][j], recorded[1][i]) for i, j in pairs) <= limit
             differs += [False] * (k - len(differs)) + [differ]
         return int(self._outputs.encode(differs))
 
@@ -785,11 +793,14 @@ class ReplayCheck:
         return theirs
 
 
-def _sixteen_bit(micro: Sequence[MicroBatch], params: Sequence[torch.Tensor]) -> bool:
-    """The recorded step computed in 16 bits: under a 16-bit autocast, or with 16-bit parameters."""
-    half = (torch.float16, torch.bfloat16)
-    return any(m.autocast is not None and m.autocast[0] and m.autocast[1] in half for m in micro) or \
-        any(p.dtype in half for p in params)
+def rounding_floor(micro: Sequence[MicroBatch], params: Sequence[torch.Tensor]) -> float:
+    """The least tolerance a comparison of the recorded step can use: one unit in the last place at 1.0
+    (``torch.finfo(dtype).eps``: bf16 2**-7, fp16 2**-10) of the coarsest 16-bit type it computed in (under a
+    16-bit autocast, or with 16-bit parameters); 0.0 for a step computed in 32 or 64 bits."""
+    half = {torch.float16, torch.bfloat16}
+    used = {m.autocast[1] for m in micro if m.autocast is not None and m.autocast[0] and m.autocast[1] in half}
+    used |= {p.dtype for p in params if p.dtype in half}
+    return max((torch.finfo(d).eps for d in used), default=0.0)
 
 
 def _floats(values: Sequence[torch.Tensor]) -> list[float]:

@@ -153,7 +153,8 @@ def run_one(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
     numerics = sc.get("gpu_numerics")  # emulated GPU arithmetic: run-to-run noise, one rank's kernels deviating
     if numerics:
         sdc.testing.emulate_gpu_numerics(net, noise=numerics["noise"], seed=100 + rank,
-                                         bias=numerics.get("bias", 0.0) if rank == numerics.get("bias_rank") else 0.0)
+                                         bias=numerics.get("bias", 0.0) if rank == numerics.get("bias_rank") else 0.0,
+                                         dither=numerics.get("dither", False))
     faults = FaultInjector(ddp, opt, start_step=start_step)
     _plan(faults, sc.get("fault"))
     _plan(faults, sc.get("fault2"))

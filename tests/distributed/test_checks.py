@@ -222,6 +222,30 @@ def test_tolerance_mode_under_gpu_noise_sees_single_element_flips_and_tolerates_
         assert _verdicts(case[0])[0][:3] == (5, "replay", (1,)), case[0]["incidents"]
 
 
+def test_tolerance_mode_in_bf16_holds_its_thresholds_at_one_unit_in_the_last_place() -> None:
+    """bf16 autocast under emulated GPU numerics (1e-6 noise on every rank, rank 2's kernels 1e-5 off, outputs
+    rounded stochastically as a float32 accumulation's difference would round): a difference that small grows through
+    the layers' bf16 roundings into flips of single elements that move a gradient's norms by up to a unit in the last
+    place, so no comparison of a 16-bit step uses a threshold below bf16's 2**-7. 60 healthy audits pass (counted,
+    no incident) although the calibrated thresholds fall far below that unit, and a persistent 5e-2 compute fault
+    is named on its rank."""
+    gpu = {"noise": 1e-6, "bias": 1e-5, "bias_rank": 2, "dither": True}
+    config = {"replay_every": 1, "mode": "tolerance", "weights_every": 0}
+    scenarios = [
+        {"config": config, "steps": 60, "gpu_numerics": gpu, "autocast": True},
+        {"config": config, "steps": 12, "gpu_numerics": gpu, "autocast": True,
+         "fault": {"kind": "perturb_output", "rank": 1, "step": 8, "module": "fc2", "relative": 5e-2,
+                   "dither": True}},
+    ]
+    healthy, faulty = zip(*spawn_ranks(run_scenarios, 3, (scenarios,), timeout=300), strict=True)
+    for r in healthy:
+        assert not r["incidents"] and not r["errors"], r["incidents"][:2]
+        assert r["counts"]["replay"] == {"pass": 60} and r["mode"] == "tolerance"
+    assert min(healthy[0]["thresholds"]) < 2**-7  # calibrated below the unit: the floor, not the calibration, held
+    first = faulty[0]["incidents"][0]
+    assert (first["check"], first["suspect_ranks"], first["step"]) == ("replay", [1], 8), first
+
+
 def test_healthy_long_run_replay_tolerance_accumulation_and_no_side_effects() -> None:
     """Healthy 200 steps (dropout, AdamW, replay every 10) -> no incident; tolerance mode flags only perturbations
     above the tolerance; gradient accumulation replays all micro-batches; replay leaves weights, .grad, buffers and

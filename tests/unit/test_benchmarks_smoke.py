@@ -197,7 +197,7 @@ def test_campaign_sweep_quick_scores_every_magnitude_in_bf16(bench, tmp_path, ca
     assert "Persistent compute faults" in out and "bf16 autocast" in out and "false incidents:" in out
     data = _result(tmp_path, "campaign_sweep_bf16")
     assert data["errors"] == [] and data["precision"] == "bf16" and data["kernel_deviation"] == 1e-5
-    assert list(data["magnitudes"]) == [f"{m:g}" for m in campaign.SWEEP_MAGNITUDES]
+    assert list(data["magnitudes"]) == [f"{m:g}" for m in campaign.sweep_magnitudes("bf16")]
     assert all(r["trials"] == 1 and r["named_right"] + r["ambiguous"] + r["wrong"] + r["missed"] == 1
                for r in data["magnitudes"].values())
     assert data["healthy_rank_steps"] > 0 and {t["precision"] for t in data["plan"]} == {"bf16"}

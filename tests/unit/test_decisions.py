@@ -396,11 +396,11 @@ def test_outputs_are_compared_per_local_stage() -> None:
     check._outputs, check.mode = _Stages([[0, 2]]), "exact"
     recorded = ([5, 1, 2, 3, 4], [1.0] * 5, [0, 0, 1, 0, 1])  # stage 0's first forward: the shape inference
     same = ([1, 2, 3, 4], [1.0] * 4, [0, 1, 0, 1])
-    assert check._outputs_differ(recorded, same) == 0
-    assert check._outputs_differ(recorded, ([1, 9, 3, 4], [1.0] * 4, [0, 1, 0, 1])) == 0b10
-    assert check._outputs_differ(recorded, ([7, 2, 3, 4], [1.0] * 4, [0, 1, 0, 1])) == 0b01
-    assert check._outputs_differ(recorded, ([1, 3], [1.0] * 2, [0, 0])) == -1
-    assert check._outputs_differ(None, same) == -1
+    assert check._outputs_differ(recorded, same, 0.0) == 0
+    assert check._outputs_differ(recorded, ([1, 9, 3, 4], [1.0] * 4, [0, 1, 0, 1]), 0.0) == 0b10
+    assert check._outputs_differ(recorded, ([7, 2, 3, 4], [1.0] * 4, [0, 1, 0, 1]), 0.0) == 0b01
+    assert check._outputs_differ(recorded, ([1, 3], [1.0] * 2, [0, 0]), 0.0) == -1
+    assert check._outputs_differ(None, same, 0.0) == -1
 
 
 def test_stage_rule_names_the_last_stage_that_sent_a_wrong_gradient() -> None:
@@ -433,9 +433,26 @@ def test_sent_gradients_are_compared_per_local_stage() -> None:
     check = ReplayCheck.__new__(ReplayCheck)
     check._outputs, check.mode = _Stages([[1, 3]]), "exact"
     recorded = ([1, 2, 3, 4, 5, 6], [1.0] * 6, [0, 1, 0, 1, 3, 2])
-    assert check._outputs_differ(recorded, recorded) == 0
-    assert check._outputs_differ(recorded, ([1, 2, 3, 4, 5, 9], [1.0] * 6, [0, 1, 0, 1, 3, 2])) == 0b0100
-    assert check._outputs_differ(recorded, ([1, 2, 3, 4, 8, 6], [1.0] * 6, [0, 1, 0, 1, 3, 2])) == 0b1000
+    assert check._outputs_differ(recorded, recorded, 0.0) == 0
+    assert check._outputs_differ(recorded, ([1, 2, 3, 4, 5, 9], [1.0] * 6, [0, 1, 0, 1, 3, 2]), 0.0) == 0b0100
+    assert check._outputs_differ(recorded, ([1, 2, 3, 4, 8, 6], [1.0] * 6, [0, 1, 0, 1, 3, 2]), 0.0) == 0b1000
     forward_only = ([1, 2, 3, 4], [1.0] * 4, [0, 1, 0, 1])
-    assert check._outputs_differ(forward_only, forward_only) == 0
-    assert check._outputs_differ(recorded, forward_only) == -1
+    assert check._outputs_differ(forward_only, forward_only, 0.0) == 0
+    assert check._outputs_differ(recorded, forward_only, 0.0) == -1
+
+
+def test_a_16_bit_step_is_never_compared_below_one_unit_in_the_last_place() -> None:
+    """The least tolerance of a replay comparison: bf16's 2**-7 under a bf16 autocast or with bf16 parameters, fp16's
+    2**-10, the coarser of the two when both were used, and none for a float32 step (autocast off counts as off)."""
+    from sdc_telemetry.checks.replay import rounding_floor
+    from sdc_telemetry.checks.shipping import MicroBatch
+
+    def micro(autocast: tuple[bool, torch.dtype] | None) -> MicroBatch:
+        return MicroBatch(batch=None, cpu_rng=torch.zeros(1), dev_rng=None, autocast=autocast)
+
+    fp32 = [torch.zeros(2)]
+    assert rounding_floor([micro(None), micro((False, torch.bfloat16))], fp32) == 0.0
+    assert rounding_floor([micro((True, torch.bfloat16))], fp32) == 2**-7
+    assert rounding_floor([micro((True, torch.float16))], fp32) == 2**-10
+    assert rounding_floor([micro((True, torch.float16))], [torch.zeros(2, dtype=torch.bfloat16)]) == 2**-7
+    assert rounding_floor([micro(None)], [torch.zeros(2, dtype=torch.float16)]) == 2**-10
