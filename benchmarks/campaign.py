@@ -45,7 +45,8 @@ share named on the right rank alone by the first incident at or after the fault 
 rank-steps). ``--precision bf16`` runs the forward passes under CPU autocast (here and in the whole campaign); the
 emulated noise, the deviating kernels and the compute faults then round their bf16 outputs stochastically (as a
 difference inside a float32 accumulation does; to nearest, a change below half a bf16 unit in the last place,
-2e-3 to 4e-3, would give the same bits back: no fault and no noise at all).
+2e-3 to 4e-3, would give the same bits back: no fault and no noise at all); the bf16 sweep adds faults of 3e-2, 1e-2
+and 3e-3, since no 16-bit comparison uses a threshold below bf16's 2**-7.
 
 Outcome classes are decided from ground truth measured beside the monitor (never from the monitor's verdict):
 - weight bit flip: ``to non-finite`` when the flipped value is NaN or Inf; ``absorbed by the update`` when, after the

@@ -643,8 +643,8 @@ class ReplayCheck:
             # unit in the last place (bf16 2**-7 relative), and an fp32-sized difference anywhere grows through the
             # roundings of the layers after it into such flips (measured: a 1e-6 difference moves the per-parameter
             # gradient norms of the campaign's bf16 GPT by 5e-4 to 4e-3 from one rerun to the next). No threshold
-            # below that unit can tell a fault from rounding: none is used.
-            floor = rounding_floor(micro, self._params)
+            # below that unit can tell a fault from rounding: none is used. (Exact mode's reruns are deterministic.)
+            floor = rounding_floor(micro, self._params) if self.mode == "tolerance" else 0.0
             limits = [max(t, floor) for t in self.thresholds]
             outputs = self._outputs_differ(recorded_outputs, got[0] if got else None, limits[0])
             # Exact mode: a stage that sent a different gradient back computed wrongly even where its own gradients
