@@ -475,7 +475,7 @@ class ReplayCheck:
         if self.mode == "exact":
             return result.fp == fp and all(_same_bits(a, b) for a, b in zip(result.losses, losses, strict=True))
         loss, grad = _alike_deltas(result, losses, norms.double())
-        limit = max(self.tolerance, AUTO_FLOOR, rounding_floor(micro, self._params))
+        limit = max(self.tolerance, AUTO_FLOOR, rounding_floor(micro, self._params) if self._auto else 0.0)
         return loss <= limit and grad <= limit
 
     def _cross_round(self, shift: int, mine: dict[str, Any], calibrate: bool = False
@@ -643,8 +643,10 @@ class ReplayCheck:
             # unit in the last place (bf16 2**-7 relative), and an fp32-sized difference anywhere grows through the
             # roundings of the layers after it into such flips (measured: a 1e-6 difference moves the per-parameter
             # gradient norms of the campaign's bf16 GPT by 5e-4 to 4e-3 from one rerun to the next). No threshold
-            # below that unit can tell a fault from rounding: none is used. (Exact mode's reruns are deterministic.)
-            floor = rounding_floor(micro, self._params) if self.mode == "tolerance" else 0.0
+            # below that unit can tell a fault from rounding: none is calibrated to. (Exact mode's reruns are
+            # deterministic; a tolerance the user set is used as set.)
+            unit = rounding_floor(micro, self._params)
+            floor = unit if self.mode == "tolerance" and self._auto else 0.0
             limits = [max(t, floor) for t in self.thresholds]
             outputs = self._outputs_differ(recorded_outputs, got[0] if got else None, limits[0])
             # Exact mode: a stage that sent a different gradient back computed wrongly even where its own gradients
@@ -674,7 +676,7 @@ class ReplayCheck:
             # calibrated threshold, and a flipped mantissa bit of one element cannot be told from rounding: compare
             # the loss and the norms only.
             if self.mode == "tolerance" and recorded_sketch is not None and result.sketch is not None \
-                    and not floor:
+                    and not unit:
                 # The norms cannot see a sign flip and barely a mantissa change: the block sketches can.
                 per_param = sketch_deltas(result.sketch, recorded_sketch)
                 if len(per_param) != len(self._params):
