@@ -139,7 +139,15 @@ def run(device: str = "auto", dtype: str = "bf16", steps: int = 40, batch: int =
     every_pass = all(set(r["counts"]) == {"pass"} and r["counts"]["pass"] == steps and not r["incidents"]
                      for r in ranks)
     say(f"target: every audit passes with no incident on real kernels: {'met' if every_pass else 'MISSED'}")
-    payload = {"spec": spec, "ranks": ranks, "every_audit_passed": every_pass}
+    # A 16-bit step is never compared below one unit in the last place at 1.0 (tolerance="auto"): how far below it
+    # the measured noise lies says whether a GPU's bf16 arithmetic is quieter than the CPU emulation's.
+    floor = torch.finfo(DTYPES[dtype]).eps if DTYPES[dtype] is not None else 0.0
+    largest = max((max(r["loss_delta_max"] or 0.0, r["grad_delta_max"] or 0.0) for r in ranks), default=0.0)
+    if floor:
+        say(f"16-bit rounding floor (no comparison of this step below it): {floor:.2e}; the largest delta measured "
+            f"is {largest / floor:.3f} of it")
+    payload = {"spec": spec, "ranks": ranks, "every_audit_passed": every_pass, "rounding_floor": floor,
+               "largest_delta": largest}
     path = write_json("replay_noise", payload, out_dir)
     say(f"wrote {path}")
     return payload

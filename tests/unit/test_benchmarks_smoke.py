@@ -88,6 +88,13 @@ def test_replay_noise_quick_measures_deltas_and_the_calibrated_headroom(bench, t
     for r in data["ranks"]:
         assert r["counts"] == {"pass": data["spec"]["steps"]} and r["incidents"] == []
         assert 0 < r["grad_delta_max"] < r["tolerance"] and r["headroom"] > 1
+    assert data["rounding_floor"] == 0.0
+    # bf16: the report says how far below the 16-bit rounding floor the measured noise lies
+    noise.main(["--quick", "--check", "--dtype", "bf16", "--emulate", "1e-6", "--out-dir", str(tmp_path)])
+    assert "16-bit rounding floor" in capsys.readouterr().out
+    data = _result(tmp_path, "replay_noise")
+    assert data["every_audit_passed"] and data["rounding_floor"] == 2**-7
+    assert 0 < data["largest_delta"] < data["rounding_floor"]
     with pytest.raises(ValueError, match="emulate"):
         noise.run(device="cpu", emulate=0.7)
     with pytest.raises(ValueError, match="dtype"):
