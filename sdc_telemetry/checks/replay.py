@@ -475,8 +475,14 @@ class ReplayCheck:
         if self.mode == "exact":
             return result.fp == fp and all(_same_bits(a, b) for a, b in zip(result.losses, losses, strict=True))
         loss, grad = _alike_deltas(result, losses, norms.double())
-        limit = max(self.tolerance, AUTO_FLOOR, rounding_floor(micro, self._params) if self._auto else 0.0)
+        limit = max(self.tolerance, AUTO_FLOOR, self._calibrated_floor(rounding_floor(micro, self._params)))
         return loss <= limit and grad <= limit
+
+    def _calibrated_floor(self, unit: float) -> float:
+        """The least threshold a comparison may use, given its step's ``rounding_floor``: that unit for calibrated
+        thresholds in tolerance mode; none in exact mode (its reruns are deterministic) or for a tolerance the user
+        set (used as set)."""
+        return unit if self.mode == "tolerance" and self._auto else 0.0
 
     def _cross_round(self, shift: int, mine: dict[str, Any], calibrate: bool = False
                      ) -> tuple[list[tuple[int, int]], Measurement | None]:
@@ -643,10 +649,9 @@ class ReplayCheck:
             # unit in the last place (bf16 2**-7 relative), and an fp32-sized difference anywhere grows through the
             # roundings of the layers after it into such flips (measured: a 1e-6 difference moves the per-parameter
             # gradient norms of the campaign's bf16 GPT by 5e-4 to 4e-3 from one rerun to the next). No threshold
-            # below that unit can tell a fault from rounding: none is calibrated to. (Exact mode's reruns are
-            # deterministic; a tolerance the user set is used as set.)
+            # below that unit can tell a fault from rounding: none is calibrated to.
             unit = rounding_floor(micro, self._params)
-            floor = unit if self.mode == "tolerance" and self._auto else 0.0
+            floor = self._calibrated_floor(unit)
             limits = [max(t, floor) for t in self.thresholds]
             outputs = self._outputs_differ(recorded_outputs, got[0] if got else None, limits[0])
             # Exact mode: a stage that sent a different gradient back computed wrongly even where its own gradients
